@@ -1,0 +1,36 @@
+"""Builds the configured registry client (the one place that maps config onto a backend)."""
+
+from __future__ import annotations
+
+from prefixmesh.cache_registry.hashing import BlockHasher
+from prefixmesh.cache_registry.memory import InMemoryRegistry, InMemoryStore
+from prefixmesh.cache_registry.protocol import CacheRegistry
+from prefixmesh.cache_registry.redis_registry import RedisRegistry
+from prefixmesh.config import PrefixmeshConfig
+
+
+def make_hasher(config: PrefixmeshConfig) -> BlockHasher:
+    cache = config.cache
+    return BlockHasher(cache.block_size, config.model, cache.hash_algo, cache.hash_seed)
+
+
+def make_registry(config: PrefixmeshConfig, store: InMemoryStore | None = None) -> CacheRegistry:
+    """A registry client; ``store`` shares one in-process state between clients."""
+    reg = config.registry
+    fingerprint = make_hasher(config).fingerprint
+    if reg.backend == "memory":
+        return InMemoryRegistry(
+            fingerprint,
+            store,
+            max_holders_per_block=reg.max_holders_per_block,
+            hotness_half_life_s=reg.hotness_half_life_s,
+        )
+    return RedisRegistry(
+        fingerprint,
+        reg.redis_url,
+        namespace=reg.namespace,
+        max_holders_per_block=reg.max_holders_per_block,
+        hotness_half_life_s=reg.hotness_half_life_s,
+        op_timeout_s=reg.op_timeout_ms / 1000,
+        publish_timeout_s=reg.publish_timeout_ms / 1000,
+    )

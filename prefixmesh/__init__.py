@@ -1,0 +1,1 @@
+"""prefixmesh: a cache-aware LLM serving cluster on Ray Serve."""

@@ -1,0 +1,43 @@
+"""The ``prefixmesh`` console script: each subcommand's module is imported only when it runs.
+
+Every subcommand module provides ``main(argv) -> int`` and parses its own arguments, so
+``prefixmesh COMMAND --help`` shows them and a light command never imports a heavy one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "registry-bench": (
+        "prefixmesh.cache_registry.bench",
+        "registry lookup latency, publish throughput and memory per entry",
+    ),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in SUBCOMMANDS)
+    lines = ["usage: prefixmesh COMMAND [ARGS]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", "prefixmesh COMMAND --help shows a command's arguments."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if args else 2
+    command = SUBCOMMANDS.get(args[0])
+    if command is None:
+        print(f"prefixmesh: unknown command {args[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(command[0])
+    return int(module.main(args[1:], prog=f"prefixmesh {args[0]}"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

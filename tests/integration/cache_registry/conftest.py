@@ -1,0 +1,51 @@
+"""The contract suite runs every test against both backends: in-process and a real Redis."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from prefixmesh.cache_registry.hashing import BlockHasher, CacheFingerprint
+from prefixmesh.cache_registry.memory import InMemoryRegistry, InMemoryStore
+from prefixmesh.cache_registry.protocol import CacheRegistry
+from prefixmesh.cache_registry.redis_registry import RedisRegistry
+from prefixmesh.cache_registry.redis_server import LocalRedisServer
+from tests.fakes.clock import FakeClock
+
+BLOCK = 4
+HASHER = BlockHasher(BLOCK, "contract-model")
+
+RegistryFactory = Callable[..., CacheRegistry]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def make_registry(
+    request: pytest.FixtureRequest, clock: FakeClock
+) -> AsyncIterator[RegistryFactory]:
+    """Builds clients that share one registry (one store, or one Redis namespace)."""
+    clients: list[CacheRegistry] = []
+    store = InMemoryStore()
+    namespace = f"test-{uuid.uuid4().hex[:12]}"
+
+    def factory(fingerprint: CacheFingerprint = HASHER.fingerprint, **kwargs: Any) -> CacheRegistry:
+        kwargs.setdefault("clock", clock)
+        client: CacheRegistry
+        if request.param == "memory":
+            client = InMemoryRegistry(fingerprint, store, **kwargs)
+        else:
+            server: LocalRedisServer = request.getfixturevalue("redis_server")
+            client = RedisRegistry(fingerprint, server.url, namespace=namespace, **kwargs)
+        clients.append(client)
+        return client
+
+    yield factory
+    for client in clients:
+        await client.close()

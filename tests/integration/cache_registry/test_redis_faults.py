@@ -1,0 +1,138 @@
+"""The Redis registry under faults: the server killed and restarted, and a server that stalls."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from prefixmesh.cache_registry.hashing import BlockHasher, FingerprintMismatchError
+from prefixmesh.cache_registry.redis_registry import RedisRegistry
+from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
+from prefixmesh.cache_registry.types import CacheEvent, EventKind, PrefixHit, ReplicaId, Tier
+from tests.integration.cache_registry.conftest import HASHER
+
+pytestmark = pytest.mark.redis
+R1 = ReplicaId("replica-1")
+KEY = HASHER.hash_tokens(list(range(32)))
+DEADLINE_S = 0.05
+
+
+def stored(seq: int, epoch: int = 1) -> CacheEvent:
+    return CacheEvent(EventKind.STORED, R1, seq, epoch, Tier.GPU, KEY.block_hashes)
+
+
+@pytest.fixture
+def server() -> Iterator[LocalRedisServer]:
+    with LocalRedisServer() as private:
+        yield private
+
+
+@pytest.fixture
+async def registry(server: LocalRedisServer) -> AsyncIterator[RedisRegistry]:
+    client = RedisRegistry(
+        HASHER.fingerprint,
+        server.url,
+        op_timeout_s=0.1,
+        publish_timeout_s=0.2,
+        backoff_initial_s=0.05,
+        backoff_max_s=0.2,
+    )
+    await client.connect()
+    yield client
+    await client.close()
+
+
+async def wait_until_available(registry: RedisRegistry, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not registry.available:
+        assert time.monotonic() < deadline, "registry never left its backoff"
+        await asyncio.sleep(0.02)
+
+
+async def test_killed_and_restarted_server(
+    server: LocalRedisServer, registry: RedisRegistry
+) -> None:
+    await registry.publish([stored(0)])
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {R1: PrefixHit(8, (8, 0, 0))}
+
+    server.stop()
+    for _ in range(5):  # nothing raises; each call returns within its budget
+        started = time.monotonic()
+        assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {}
+        assert time.monotonic() - started < DEADLINE_S + 0.1
+    [result] = await registry.publish([stored(1)])
+    assert result.failed and result.needs_resync
+    assert await registry.claim_inflight(KEY.block_hashes[0], R1, ttl_s=5) is None
+    assert await registry.inflight(KEY.block_hashes[0]) is None
+    assert not await registry.wait_released(KEY.block_hashes[0], timeout_s=0.05)
+    await registry.touch(KEY.block_hashes[0])
+    assert await registry.rate(KEY.block_hashes[0]) == 0.0
+    await registry.drop_replica(R1)
+    assert registry.stats.lookup_failures == 5
+    assert registry.stats.publish_failures == 1
+
+    server.start()
+    await wait_until_available(registry)
+    # The restarted server lost everything: the replica's next batch is reported as a gap,
+    # which is the replica's cue to publish a snapshot of what it holds.
+    [after] = await registry.publish([stored(2)])
+    assert after.gap and after.applied == 1
+    assert registry.stats.reconnects >= 1
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {R1: PrefixHit(8, (8, 0, 0))}
+
+
+async def test_fingerprint_is_rechecked_after_a_restart(
+    server: LocalRedisServer, registry: RedisRegistry
+) -> None:
+    server.stop()
+    assert await registry.lookup(KEY, [], deadline_s=DEADLINE_S) == {}
+    server.start()
+    intruder = RedisRegistry(BlockHasher(64, "another-model").fingerprint, server.url)
+    await intruder.connect()  # first after the restart: its fingerprint is recorded
+    await wait_until_available(registry)
+    await registry.publish([stored(0)])  # this client now finds a mismatch and disables itself
+    assert not registry.available
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {}
+    with pytest.raises(FingerprintMismatchError):
+        await RedisRegistry(HASHER.fingerprint, server.url).connect()
+    await intruder.close()
+
+
+async def test_a_stalled_server_costs_at_most_the_deadline(
+    server: LocalRedisServer, registry: RedisRegistry
+) -> None:
+    await registry.publish([stored(0)])
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)  # the process is alive but answers nothing
+    try:
+        started = time.monotonic()
+        assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {}
+        assert time.monotonic() - started < DEADLINE_S + 0.1
+        assert registry.stats.lookup_failures == 1
+        assert "Timeout" in registry.stats.last_error
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    await wait_until_available(registry)
+    hits: dict[ReplicaId, PrefixHit] = {}
+    for _ in range(20):  # the connection cut by the timeout is replaced on the next call
+        hits = await registry.lookup(KEY, [R1], deadline_s=0.5)
+        if hits:
+            break
+        await asyncio.sleep(0.05)
+    assert hits == {R1: PrefixHit(8, (8, 0, 0))}
+
+
+async def test_unreachable_at_connect_is_not_fatal() -> None:
+    port_with_nothing = free_port()
+    registry = RedisRegistry(
+        HASHER.fingerprint, f"redis://127.0.0.1:{port_with_nothing}/0", op_timeout_s=0.1
+    )
+    await registry.connect()
+    assert await registry.lookup(KEY, [], deadline_s=DEADLINE_S) == {}
+    assert "Error" in registry.stats.last_error
+    await registry.close()

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from prefixmesh.config import PrefixmeshConfig, load_config, parse_override
+
+
+def test_defaults_need_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PREFIXMESH_CONFIG", raising=False)
+    assert load_config() == PrefixmeshConfig()
+
+
+def test_file_then_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "registry:\n  backend: redis\n  lookup_deadline_ms: 3\ncache:\n  block_size: 32\n"
+    )
+    config = load_config(path, ["registry.lookup_deadline_ms=7", "model=other"])
+    assert config.registry.backend == "redis"
+    assert config.registry.lookup_deadline_ms == 7
+    assert config.cache.block_size == 32
+    assert config.model == "other"
+
+
+def test_unknown_fields_and_bad_values_fail_loudly(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="extra"):
+        load_config(overrides=["registry.typo=1"])
+    with pytest.raises(ValidationError):
+        load_config(overrides=["cache.block_size=0"])
+    with pytest.raises(ValueError, match=r"section\.field=value"):
+        parse_override("no-equals-sign")
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config(path)
+
+
+def test_every_field_is_documented() -> None:
+    def walk(model: type[PrefixmeshConfig]) -> None:
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no docstring"
+            annotation = field.annotation
+            if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+                walk(annotation)
+
+    walk(PrefixmeshConfig)
