@@ -5,7 +5,7 @@ from prefixmesh.cache_registry.hashing import (
     CacheFingerprint,
     FingerprintMismatchError,
 )
-from prefixmesh.cache_registry.memory import InMemoryRegistry, InMemoryStore
+from prefixmesh.cache_registry.memory import InMemoryRegistry, RegistryState
 from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.types import (
     BlockHash,
@@ -28,10 +28,10 @@ __all__ = [
     "EventKind",
     "FingerprintMismatchError",
     "InMemoryRegistry",
-    "InMemoryStore",
     "PrefixHit",
     "PrefixKey",
     "PublishResult",
+    "RegistryState",
     "RegistryStats",
     "ReplicaId",
     "Tier",

@@ -21,7 +21,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from prefixmesh.cache_registry.hashing import BlockHasher
-from prefixmesh.cache_registry.memory import InMemoryRegistry
+from prefixmesh.cache_registry.memory import InMemoryRegistry, RegistryState
 from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
 from prefixmesh.cache_registry.redis_server import LocalRedisServer
@@ -88,7 +88,9 @@ async def run_bench(args: argparse.Namespace, redis_url: str | None) -> BenchRes
     replicas = [ReplicaId(f"replica-{i:03d}") for i in range(args.replicas)]
     registry: CacheRegistry
     if redis_url is None:
-        registry = InMemoryRegistry(hasher.fingerprint, max_holders_per_block=args.replicas)
+        registry = InMemoryRegistry(
+            hasher.fingerprint, RegistryState(max_holders_per_block=args.replicas)
+        )
     else:
         registry = RedisRegistry(
             hasher.fingerprint,

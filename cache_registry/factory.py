@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prefixmesh.cache_registry.hashing import BlockHasher
-from prefixmesh.cache_registry.memory import InMemoryRegistry, InMemoryStore
+from prefixmesh.cache_registry.memory import InMemoryRegistry, RegistryState
 from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
 from prefixmesh.config import PrefixmeshConfig
@@ -14,17 +14,20 @@ def make_hasher(config: PrefixmeshConfig) -> BlockHasher:
     return BlockHasher(cache.block_size, config.model, cache.hash_algo, cache.hash_seed)
 
 
-def make_registry(config: PrefixmeshConfig, store: InMemoryStore | None = None) -> CacheRegistry:
-    """A registry client; ``store`` shares one in-process state between clients."""
+def make_memory_state(config: PrefixmeshConfig) -> RegistryState:
+    reg = config.registry
+    return RegistryState(
+        max_holders_per_block=reg.max_holders_per_block,
+        hotness_half_life_s=reg.hotness_half_life_s,
+    )
+
+
+def make_registry(config: PrefixmeshConfig, state: RegistryState | None = None) -> CacheRegistry:
+    """A registry client; in-process clients of one process share ``state``."""
     reg = config.registry
     fingerprint = make_hasher(config).fingerprint
     if reg.backend == "memory":
-        return InMemoryRegistry(
-            fingerprint,
-            store,
-            max_holders_per_block=reg.max_holders_per_block,
-            hotness_half_life_s=reg.hotness_half_life_s,
-        )
+        return InMemoryRegistry(fingerprint, state or make_memory_state(config))
     return RedisRegistry(
         fingerprint,
         reg.redis_url,

@@ -1,8 +1,9 @@
-"""The in-process registry: one shared ``InMemoryStore`` per process, one client per user.
+"""The in-process registry: a synchronous ``RegistryState`` and its async facade.
 
-It is the registry of a single-machine cluster and the oracle the Redis backend is tested
-against. Everything runs on the caller's event loop; no call blocks or does I/O. Holders are
-bitmasks over replica indices (``holders.py``), so a 64 x 64 lookup costs tens of microseconds.
+``RegistryState`` is a pure core (no I/O, injected clock): the cluster simulator drives it
+directly, and ``InMemoryRegistry`` clients share one per process. It is the registry of a
+single-machine cluster and the oracle the Redis backend is tested against. Holders are bitmasks
+over replica indices (``holders.py``), so a 64 x 64 lookup costs tens of microseconds.
 """
 
 from __future__ import annotations
@@ -57,29 +58,11 @@ class BlockEntry:
         return not self.confirmed and not self.speculative
 
 
-@dataclass
-class InMemoryStore:
-    """The state several in-process clients share (what Redis holds for the Redis backend)."""
-
-    fingerprint: CacheFingerprint | None = None
-    replicas: ReplicaIndex = field(default_factory=ReplicaIndex)
-    blocks: dict[BlockHash, BlockEntry] = field(default_factory=dict)
-    replica_blocks: dict[ReplicaId, set[BlockHash]] = field(default_factory=dict)
-    """Blocks each replica holds confirmed (what drop, clear and reset walk)."""
-    replica_speculative: dict[ReplicaId, set[BlockHash]] = field(default_factory=dict)
-    sequences: dict[ReplicaId, SequenceState] = field(default_factory=dict)
-    inflight: dict[BlockHash, tuple[ReplicaId, float]] = field(default_factory=dict)
-    released: dict[BlockHash, asyncio.Event] = field(default_factory=dict)
-    hotness: dict[BlockHash, DecayedCount] = field(default_factory=dict)
-
-
-class InMemoryRegistry:
-    """``CacheRegistry`` over an ``InMemoryStore``."""
+class RegistryState:
+    """Everything a registry holds, with synchronous operations (what Redis holds and does)."""
 
     def __init__(
         self,
-        fingerprint: CacheFingerprint,
-        store: InMemoryStore | None = None,
         *,
         clock: Clock = time.monotonic,
         max_holders_per_block: int = 64,
@@ -87,37 +70,38 @@ class InMemoryRegistry:
     ) -> None:
         if max_holders_per_block < 1:
             raise ValueError("max_holders_per_block must be >= 1")
-        self.fingerprint = fingerprint
-        self.stats = RegistryStats()
-        self.store = store if store is not None else InMemoryStore()
-        self._clock = clock
-        self._max_holders = max_holders_per_block
-        self._half_life_s = hotness_half_life_s
+        self.clock = clock
+        self.max_holders = max_holders_per_block
+        self.half_life_s = hotness_half_life_s
+        self.fingerprint: CacheFingerprint | None = None
+        self.replicas = ReplicaIndex()
+        self.blocks: dict[BlockHash, BlockEntry] = {}
+        self.replica_blocks: dict[ReplicaId, set[BlockHash]] = {}
+        """Blocks each replica holds confirmed (what drop, clear and reset walk)."""
+        self.replica_speculative: dict[ReplicaId, set[BlockHash]] = {}
+        self.sequences: dict[ReplicaId, SequenceState] = {}
+        self.inflight: dict[BlockHash, tuple[ReplicaId, float]] = {}
+        self.hotness: dict[BlockHash, DecayedCount] = {}
+        self._release_listeners: list[Callable[[BlockHash], None]] = []
 
-    async def connect(self) -> None:
-        if self.store.fingerprint is None:
-            self.store.fingerprint = self.fingerprint
-        elif self.store.fingerprint != self.fingerprint:
+    def check_fingerprint(self, fingerprint: CacheFingerprint) -> None:
+        if self.fingerprint is None:
+            self.fingerprint = fingerprint
+        elif self.fingerprint != fingerprint:
             raise FingerprintMismatchError(
-                f"registry holds {self.store.fingerprint.to_json()}, "
-                f"this process uses {self.fingerprint.to_json()}"
+                f"registry holds {self.fingerprint.to_json()}, "
+                f"this process uses {fingerprint.to_json()}"
             )
-
-    async def close(self) -> None:
-        return None
 
     # ---- lookups ---------------------------------------------------------------------------
 
-    async def lookup(
-        self, key: PrefixKey, replicas: Collection[ReplicaId], *, deadline_s: float
-    ) -> dict[ReplicaId, PrefixHit]:
-        self.stats.lookups += 1
-        index = self.store.replicas
+    def lookup(self, key: PrefixKey, replicas: Collection[ReplicaId]) -> dict[ReplicaId, PrefixHit]:
+        index = self.replicas
         alive = index.mask_of(set(replicas)) if replicas else -1
         if not alive:
             return {}
-        now = self._clock()
-        blocks = self.store.blocks
+        now = self.clock()
+        blocks = self.blocks
         segments: list[RunSegment] = []
         previous: tuple[int, int, int, int] | None = None
         run = 0
@@ -135,10 +119,10 @@ class InMemoryRegistry:
             if not held:
                 break
             if run:
-                segments.append(self._segment(previous, alive, run))
+                segments.append(_segment(previous, alive, run))
             previous, alive, run = signature, held, 1
         if run:
-            segments.append(self._segment(previous, alive, run))
+            segments.append(_segment(previous, alive, run))
         hits: dict[ReplicaId, PrefixHit] = {}
         shared: dict[Row, PrefixHit] = {}  # replicas with equal rows share one value
         id_of = index.id_of
@@ -149,28 +133,16 @@ class InMemoryRegistry:
             hits[id_of[i]] = hit
         return hits
 
-    @staticmethod
-    def _segment(
-        signature: tuple[int, int, int, int] | None, alive: int, length: int
-    ) -> RunSegment:
-        assert signature is not None
-        gpu, cpu, disk, speculative = signature
-        gpu &= alive
-        cpu &= alive & ~gpu
-        disk &= alive & ~gpu & ~cpu
-        speculative &= alive & ~(gpu | cpu | disk)
-        return RunSegment(gpu, cpu, disk, speculative, length)
-
     # ---- events ----------------------------------------------------------------------------
 
-    async def publish(self, events: Sequence[CacheEvent]) -> list[PublishResult]:
+    def publish(self, events: Sequence[CacheEvent]) -> list[PublishResult]:
         return [self._publish_replica(r, evs) for r, evs in group_by_replica(events).items()]
 
     def _publish_replica(self, replica: ReplicaId, events: list[CacheEvent]) -> PublishResult:
         applied = duplicates = 0
         gap = reset = False
         for event in events:
-            decision = check_sequence(self.store.sequences.get(replica), event)
+            decision = check_sequence(self.sequences.get(replica), event)
             if decision.action is SeqAction.SKIP:
                 duplicates += 1
                 continue
@@ -178,17 +150,17 @@ class InMemoryRegistry:
                 self._purge(replica)
                 reset = True
             gap = gap or decision.gap
-            self.store.sequences[replica] = SequenceState(event.epoch, event.seq)
+            self.sequences[replica] = SequenceState(event.epoch, event.seq)
             self._apply(event)
             applied += 1
         return PublishResult(replica, applied, duplicates, gap, reset)
 
     def _apply(self, event: CacheEvent) -> None:
         replica = event.replica_id
-        index = self.store.replicas.assign(replica)
+        index = self.replicas.assign(replica)
         if event.kind is EventKind.CLEARED:
             tiers = list(Tier) if event.tier is None else [event.tier]
-            for block in list(self.store.replica_blocks.get(replica, ())):
+            for block in list(self.replica_blocks.get(replica, ())):
                 for tier in tiers:
                     self._remove(block, replica, index, tier)
             if event.tier in (None, Tier.GPU):
@@ -203,146 +175,211 @@ class InMemoryRegistry:
                 self._forget_speculative(block, replica, index)
 
     def _add(self, block: BlockHash, replica: ReplicaId, index: int, tier: Tier) -> None:
-        entry = self.store.blocks.get(block)
+        entry = self.blocks.get(block)
         if entry is None:
-            entry = self.store.blocks[block] = BlockEntry()
+            entry = self.blocks[block] = BlockEntry()
         bit = 1 << index
         confirmed = entry.confirmed
         if not confirmed & bit:
-            if confirmed.bit_count() >= self._max_holders:
+            if confirmed.bit_count() >= self.max_holders:
                 # An existing holder makes room (the lowest index, as Redis takes the first).
                 victim = (confirmed & -confirmed).bit_length() - 1
-                victim_id = self.store.replicas.id_of[victim]
+                victim_id = self.replicas.id_of[victim]
                 for other_tier in Tier:
                     self._remove(block, victim_id, victim, other_tier)
-                entry = self.store.blocks.setdefault(block, entry)
-            self.store.replica_blocks.setdefault(replica, set()).add(block)
+                entry = self.blocks.setdefault(block, entry)
+            self.replica_blocks.setdefault(replica, set()).add(block)
         entry.tiers[tier] |= bit
 
     def _remove(self, block: BlockHash, replica: ReplicaId, index: int, tier: Tier) -> None:
-        entry = self.store.blocks.get(block)
+        entry = self.blocks.get(block)
         bit = 1 << index
         if entry is None or not entry.tiers[tier] & bit:
             return
         entry.tiers[tier] &= ~bit
         if entry.confirmed & bit:
             return
-        owned = self.store.replica_blocks.get(replica)
+        owned = self.replica_blocks.get(replica)
         if owned is not None:
             owned.discard(block)
             if not owned:
-                del self.store.replica_blocks[replica]
+                del self.replica_blocks[replica]
         if entry.empty:
-            del self.store.blocks[block]
+            del self.blocks[block]
 
     def _purge(self, replica: ReplicaId) -> None:
-        index = self.store.replicas.index_of.get(replica)
+        index = self.replicas.index_of.get(replica)
         if index is None:
             return
-        for block in list(self.store.replica_blocks.get(replica, ())):
+        for block in list(self.replica_blocks.get(replica, ())):
             for tier in Tier:
                 self._remove(block, replica, index, tier)
         self._drop_speculative(replica, index)
 
     # ---- speculative entries ---------------------------------------------------------------
 
-    async def add_speculative(self, key: PrefixKey, replica: ReplicaId, ttl_s: float) -> None:
-        now = self._clock()
-        index = self.store.replicas.assign(replica)
-        owned = self.store.replica_speculative.setdefault(replica, set())
-        for block in [b for b in owned if self.store.blocks[b].speculative[index] <= now]:
+    def add_speculative(self, key: PrefixKey, replica: ReplicaId, ttl_s: float) -> None:
+        now = self.clock()
+        index = self.replicas.assign(replica)
+        owned = self.replica_speculative.setdefault(replica, set())
+        for block in [b for b in owned if self.blocks[b].speculative[index] <= now]:
             self._forget_speculative(block, replica, index)
-        owned = self.store.replica_speculative.setdefault(replica, set())
+        owned = self.replica_speculative.setdefault(replica, set())
         for block in key.block_hashes:
-            entry = self.store.blocks.get(block)
+            entry = self.blocks.get(block)
             if entry is None:
-                entry = self.store.blocks[block] = BlockEntry()
+                entry = self.blocks[block] = BlockEntry()
             entry.speculative[index] = now + ttl_s
             owned.add(block)
 
     def _forget_speculative(self, block: BlockHash, replica: ReplicaId, index: int) -> None:
-        entry = self.store.blocks.get(block)
+        entry = self.blocks.get(block)
         if entry is None or entry.speculative.pop(index, None) is None:
             return
         if entry.empty:
-            del self.store.blocks[block]
-        owned = self.store.replica_speculative.get(replica)
+            del self.blocks[block]
+        owned = self.replica_speculative.get(replica)
         if owned is not None:
             owned.discard(block)
             if not owned:
-                del self.store.replica_speculative[replica]
+                del self.replica_speculative[replica]
 
     def _drop_speculative(self, replica: ReplicaId, index: int) -> None:
-        for block in list(self.store.replica_speculative.get(replica, ())):
+        for block in list(self.replica_speculative.get(replica, ())):
             self._forget_speculative(block, replica, index)
 
     # ---- in-flight claims ------------------------------------------------------------------
 
-    def _live_claim(self, prefix: BlockHash) -> ReplicaId | None:
-        claim = self.store.inflight.get(prefix)
-        if claim is None:
-            return None
-        if claim[1] <= self._clock():
+    def live_claim(self, prefix: BlockHash) -> tuple[ReplicaId, float] | None:
+        """The holder and expiry of a live claim; an expired claim is released on sight."""
+        claim = self.inflight.get(prefix)
+        if claim is not None and claim[1] <= self.clock():
             self._release(prefix)
             return None
-        return claim[0]
+        return claim
 
-    async def claim_inflight(
-        self, prefix: BlockHash, replica: ReplicaId, ttl_s: float
-    ) -> ReplicaId | None:
-        holder = self._live_claim(prefix)
-        if holder is not None:
-            return holder
-        self.store.inflight[prefix] = (replica, self._clock() + ttl_s)
+    def claim_inflight(self, prefix: BlockHash, replica: ReplicaId, ttl_s: float) -> ReplicaId:
+        claim = self.live_claim(prefix)
+        if claim is not None:
+            return claim[0]
+        self.inflight[prefix] = (replica, self.clock() + ttl_s)
         return replica
 
-    async def inflight(self, prefix: BlockHash) -> ReplicaId | None:
-        return self._live_claim(prefix)
-
-    async def release_inflight(self, prefix: BlockHash, replica: ReplicaId) -> bool:
-        if self._live_claim(prefix) != replica:
+    def release_inflight(self, prefix: BlockHash, replica: ReplicaId) -> bool:
+        claim = self.live_claim(prefix)
+        if claim is None or claim[0] != replica:
             return False
         self._release(prefix)
         return True
 
     def _release(self, prefix: BlockHash) -> None:
-        self.store.inflight.pop(prefix, None)
-        event = self.store.released.pop(prefix, None)
-        if event is not None:
-            event.set()
+        self.inflight.pop(prefix, None)
+        for listener in self._release_listeners:
+            listener(prefix)
 
-    async def wait_released(self, prefix: BlockHash, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self._live_claim(prefix) is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            event = self.store.released.setdefault(prefix, asyncio.Event())
-            # Wake at the claim's own expiry too, so an abandoned claim frees its waiters.
-            until_expiry = self.store.inflight[prefix][1] - self._clock()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), min(remaining, max(0.0, until_expiry)))
-        return True
+    def add_release_listener(self, listener: Callable[[BlockHash], None]) -> None:
+        self._release_listeners.append(listener)
+
+    def remove_release_listener(self, listener: Callable[[BlockHash], None]) -> None:
+        self._release_listeners.remove(listener)
 
     # ---- hotness ---------------------------------------------------------------------------
 
-    async def touch(self, group: BlockHash, weight: float = 1.0) -> None:
-        self.store.hotness[group] = touched(
-            self.store.hotness.get(group), weight, self._clock(), self._half_life_s
+    def touch(self, group: BlockHash, weight: float = 1.0) -> None:
+        self.hotness[group] = touched(
+            self.hotness.get(group), weight, self.clock(), self.half_life_s
         )
 
-    async def rate(self, group: BlockHash) -> float:
-        return rate_per_s(self.store.hotness.get(group), self._clock(), self._half_life_s)
+    def rate(self, group: BlockHash) -> float:
+        return rate_per_s(self.hotness.get(group), self.clock(), self.half_life_s)
 
     # ---- membership ------------------------------------------------------------------------
 
-    async def drop_replica(self, replica: ReplicaId) -> None:
+    def drop_replica(self, replica: ReplicaId) -> None:
         self._purge(replica)
-        self.store.sequences.pop(replica, None)
-        self.store.replicas.release(replica)
-        for prefix, (holder, _) in list(self.store.inflight.items()):
+        self.sequences.pop(replica, None)
+        self.replicas.release(replica)
+        for prefix, (holder, _) in list(self.inflight.items()):
             if holder == replica:
                 self._release(prefix)
 
+
+def _segment(signature: tuple[int, int, int, int] | None, alive: int, length: int) -> RunSegment:
+    assert signature is not None
+    gpu, cpu, disk, speculative = signature
+    gpu &= alive
+    cpu &= alive & ~gpu
+    disk &= alive & ~gpu & ~cpu
+    speculative &= alive & ~(gpu | cpu | disk)
+    return RunSegment(gpu, cpu, disk, speculative, length)
+
+
+class InMemoryRegistry:
+    """``CacheRegistry`` over a ``RegistryState`` shared by the clients of one process."""
+
+    def __init__(self, fingerprint: CacheFingerprint, state: RegistryState | None = None) -> None:
+        self.fingerprint = fingerprint
+        self.stats = RegistryStats()
+        self.state = state if state is not None else RegistryState()
+        self._released: dict[BlockHash, asyncio.Event] = {}
+        self.state.add_release_listener(self._on_release)
+
+    def _on_release(self, prefix: BlockHash) -> None:
+        event = self._released.pop(prefix, None)
+        if event is not None:
+            event.set()
+
+    async def connect(self) -> None:
+        self.state.check_fingerprint(self.fingerprint)
+
+    async def close(self) -> None:
+        self.state.remove_release_listener(self._on_release)
+
+    async def lookup(
+        self, key: PrefixKey, replicas: Collection[ReplicaId], *, deadline_s: float
+    ) -> dict[ReplicaId, PrefixHit]:
+        self.stats.lookups += 1
+        return self.state.lookup(key, replicas)
+
+    async def publish(self, events: Sequence[CacheEvent]) -> list[PublishResult]:
+        return self.state.publish(events)
+
+    async def add_speculative(self, key: PrefixKey, replica: ReplicaId, ttl_s: float) -> None:
+        self.state.add_speculative(key, replica, ttl_s)
+
+    async def claim_inflight(
+        self, prefix: BlockHash, replica: ReplicaId, ttl_s: float
+    ) -> ReplicaId | None:
+        return self.state.claim_inflight(prefix, replica, ttl_s)
+
+    async def inflight(self, prefix: BlockHash) -> ReplicaId | None:
+        claim = self.state.live_claim(prefix)
+        return None if claim is None else claim[0]
+
+    async def release_inflight(self, prefix: BlockHash, replica: ReplicaId) -> bool:
+        return self.state.release_inflight(prefix, replica)
+
+    async def wait_released(self, prefix: BlockHash, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while (claim := self.state.live_claim(prefix)) is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            event = self._released.setdefault(prefix, asyncio.Event())
+            # Wake at the claim's own expiry too, so an abandoned claim frees its waiters.
+            until_expiry = max(0.0, claim[1] - self.state.clock())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), min(remaining, until_expiry))
+        return True
+
+    async def touch(self, group: BlockHash, weight: float = 1.0) -> None:
+        self.state.touch(group, weight)
+
+    async def rate(self, group: BlockHash) -> float:
+        return self.state.rate(group)
+
+    async def drop_replica(self, replica: ReplicaId) -> None:
+        self.state.drop_replica(replica)
+
     async def known_replicas(self) -> set[ReplicaId]:
-        return set(self.store.sequences)
+        return set(self.state.sequences)

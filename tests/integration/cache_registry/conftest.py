@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from prefixmesh.cache_registry.hashing import BlockHasher, CacheFingerprint
-from prefixmesh.cache_registry.memory import InMemoryRegistry, InMemoryStore
+from prefixmesh.cache_registry.memory import InMemoryRegistry, RegistryState
 from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
 from prefixmesh.cache_registry.redis_server import LocalRedisServer
@@ -32,14 +32,19 @@ async def make_registry(
 ) -> AsyncIterator[RegistryFactory]:
     """Builds clients that share one registry (one store, or one Redis namespace)."""
     clients: list[CacheRegistry] = []
-    store = InMemoryStore()
+    states: dict[tuple[object, ...], RegistryState] = {}
     namespace = f"test-{uuid.uuid4().hex[:12]}"
 
     def factory(fingerprint: CacheFingerprint = HASHER.fingerprint, **kwargs: Any) -> CacheRegistry:
         kwargs.setdefault("clock", clock)
         client: CacheRegistry
         if request.param == "memory":
-            client = InMemoryRegistry(fingerprint, store, **kwargs)
+            # One state per distinct setting, as one Redis holds one namespace's settings.
+            settings = tuple(sorted(kwargs.items(), key=lambda kv: kv[0]))
+            state = states.get(settings)
+            if state is None:
+                state = states[settings] = RegistryState(**kwargs)
+            client = InMemoryRegistry(fingerprint, state)
         else:
             server: LocalRedisServer = request.getfixturevalue("redis_server")
             client = RedisRegistry(fingerprint, server.url, namespace=namespace, **kwargs)
