@@ -55,6 +55,92 @@ class RegistryConfig(_Section):
     """Half-life of the decayed traffic counters behind affinity groups."""
 
 
+class RayPrefixConfig(_Section):
+    """Ray Serve LLM's PrefixCacheAffinityRouter, with its shipped defaults."""
+
+    imbalanced_threshold: int = 10
+    """Queue-length spread (max - min ongoing requests) above which it falls back to pow2."""
+    match_rate_threshold: float = 0.1
+    """Below this matched fraction of the prompt, route to the replica with the smallest tree."""
+
+
+class SGLangConfig(_Section):
+    """SGLang router's cache_aware policy, with the defaults its CLI documents."""
+
+    balance_abs_threshold: int = 64
+    """Imbalanced when max - min pending requests exceeds this ..."""
+    balance_rel_threshold: float = 1.5
+    """... and max exceeds this multiple of min; then route to the least-loaded worker."""
+    cache_threshold: float = 0.3
+    """Above this matched fraction, route to the best-matching worker; else the least loaded."""
+    max_tree_blocks: int = 4_194_304
+    """Per-worker budget of its routing-time tree (the CLI's 64M characters, in blocks)."""
+
+
+class DynamoConfig(_Section):
+    """NVIDIA Dynamo's KV router cost function, with its defaults."""
+
+    prefill_load_scale: float = 1.0
+    """Weight of prefill blocks against decode blocks in the cost."""
+    gpu_overlap_credit: float = 1.0
+    """Credit per overlapping block held on the device."""
+    cpu_overlap_credit: float = 0.75
+    """Credit per overlapping block held in host memory."""
+    disk_overlap_credit: float = 0.25
+    """Credit per overlapping block held on disk."""
+
+
+class PrefixHashConfig(_Section):
+    """SGLang's prefix_hash policy: a consistent-hash ring on the first prompt tokens."""
+
+    prefix_tokens: int = Field(default=256, gt=0)
+    """Tokens of the prompt head that pick the ring position (SGLang hashes the first 256)."""
+    load_factor: float = Field(default=1.25, gt=1.0)
+    """Route to the least-loaded replica when the ring's choice has more than this multiple of
+    the mean load (SGLang's --prefix-hash-load-factor)."""
+
+
+class PrefixmeshPolicyConfig(_Section):
+    """prefixmesh's own policy: estimated TTFT, affinity groups, delay-hit holds."""
+
+    group_tokens: int = Field(default=256, gt=0)
+    """Prompt head that names a prefix group (rounded down to whole blocks)."""
+    affinity_enabled: bool = True
+    """Replicate hot groups on a consistent-hash subset sized by their traffic."""
+    affinity_target_utilization: float = Field(default=0.7, gt=0, le=1)
+    """A hot group gets enough ring replicas to keep each near this share of busy time."""
+    holds_enabled: bool = True
+    """Delay-hit deferral: hold a request on the replica computing its prefix right now."""
+    hold_min_tokens: int = Field(default=256, ge=0)
+    """Hold only when at least this many tokens of the prefix are in flight (Strata: 100)."""
+    hold_wait_factor: float = Field(default=2.0, gt=0)
+    """Bound on a hold, as a multiple of the in-flight prefix's expected prefill time."""
+    overload_wait_s: float = Field(default=1.0, ge=0)
+    """Per-candidate guard: a replica whose estimated queue wait exceeds the least-loaded
+    candidate's by more than this is skipped, whatever it holds."""
+    near_best_rel: float = Field(default=0.05, ge=0)
+    """Replicas within this fraction of the best estimated TTFT count as ties ..."""
+    near_best_abs_s: float = Field(default=0.002, ge=0)
+    """... or within this many seconds; one tie is picked at random (no herding)."""
+
+
+class RoutingConfig(_Section):
+    policy: Literal[
+        "prefixmesh", "round_robin", "pow2", "prefix_hash", "ray_prefix", "sglang", "dynamo"
+    ] = "prefixmesh"
+    """Which routing policy the request router runs."""
+    prefixmesh: PrefixmeshPolicyConfig = PrefixmeshPolicyConfig()
+    """Settings of the prefixmesh policy."""
+    prefix_hash: PrefixHashConfig = PrefixHashConfig()
+    """Settings of the prefix_hash baseline."""
+    ray_prefix: RayPrefixConfig = RayPrefixConfig()
+    """Settings of the ray_prefix baseline."""
+    sglang: SGLangConfig = SGLangConfig()
+    """Settings of the sglang baseline."""
+    dynamo: DynamoConfig = DynamoConfig()
+    """Settings of the dynamo baseline."""
+
+
 class PrefixmeshConfig(_Section):
     model: str = "demo-tiny"
     """Model name served by the cluster; part of the cache fingerprint."""
@@ -62,6 +148,8 @@ class PrefixmeshConfig(_Section):
     """Block size and hashing: the cache fingerprint shared by router, replicas and registry."""
     registry: RegistryConfig = RegistryConfig()
     """Where the cluster's cache registry lives and how long its calls may take."""
+    routing: RoutingConfig = RoutingConfig()
+    """The routing policy and its settings."""
 
 
 def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

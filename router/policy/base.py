@@ -1,0 +1,135 @@
+"""The routing-policy seam: a pure, synchronous decision from snapshots and a registry view.
+
+A policy never does I/O. The adapter around it (the Ray Serve request router, or the cluster
+simulator) gathers replica snapshots and a ``RegistryView``, calls ``route``, then carries out
+what the decision asks for (send, hold, write speculative entries, touch the group's hotness).
+Time arrives as ``now_s``; randomness comes from the ``random.Random`` the policy was built with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prefixmesh.cache_registry.types import BlockHash, PrefixHit, PrefixKey, ReplicaId
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCapacity:
+    """What one replica (one data-parallel rank, possibly tensor-parallel) can do.
+
+    Per replica, not per GPU: a TP-4 replica reports the prefill rate of its four GPUs together.
+    """
+
+    prefill_tokens_per_s: float
+    """Uncached prompt tokens it prefills per second when busy (long-prompt regime)."""
+    decode_step_s: float
+    """Time of one decode step at a small batch: the inter-token latency floor."""
+    max_batch_tokens: int
+    """Per-step token budget of its scheduler (chunked prefill + decode tokens)."""
+    kv_blocks: int
+    """Engine-tier KV cache capacity in blocks."""
+    tp_degree: int = 1
+    cpu_load_s_per_block: float = 0.0
+    """Time to bring one block back from its CPU tier (0 when it has none)."""
+    disk_load_s_per_block: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSnapshot:
+    """A replica's load as the router sees it now (reported stats plus what it routed since)."""
+
+    replica_id: ReplicaId
+    capacity: ReplicaCapacity
+    queued_requests: int = 0
+    """Accepted, not yet admitted to the running batch (held requests included)."""
+    running_requests: int = 0
+    pending_prefill_tokens: int = 0
+    """Prompt tokens routed to it that still have to be computed (queued and in progress)."""
+    active_kv_blocks: int = 0
+    """KV blocks held by its running requests (prompt and generated tokens)."""
+
+    @property
+    def ongoing_requests(self) -> int:
+        return self.queued_requests + self.running_requests
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    request_id: str
+    key: PrefixKey
+    """Chained hashes of the prompt's full blocks."""
+    prompt_tokens: int
+    output_tokens: int
+    """Expected output length (max_tokens, or a trace's output length) for load estimates."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryView:
+    """What the registry said about this request, fetched by the adapter before ``route``."""
+
+    hits: Mapping[ReplicaId, PrefixHit] = field(default_factory=dict)
+    """Leading blocks each candidate holds (confirmed or speculative); absent = none."""
+    group_rate: float = 0.0
+    """Decayed traffic of the request's prefix group (``RoutingPolicy.prefix_group``), in
+    ``traffic_weight`` units per second; 0 when unknown."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Delay-hit deferral: on the chosen replica, wait (at most ``max_wait_s``) until the first
+    ``num_blocks`` blocks of the request are stored there, because another request on that
+    replica is computing them right now; then run, and hit them."""
+
+    num_blocks: int
+    max_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    ranked: tuple[tuple[ReplicaId, ...], ...]
+    """Candidates in ranked tiers; the adapter tries the first replica of the first tier first
+    (Ray Serve's RequestRouter contract). Never empty when there is at least one replica."""
+    hold: Hold | None = None
+    reason: str = ""
+    """A short label for metrics and traces: "affinity", "least_ttft", "overload", ..."""
+
+    @property
+    def chosen(self) -> ReplicaId:
+        return self.ranked[0][0]
+
+
+class RoutingPolicy(Protocol):
+    """A routing rule. Implementations keep only state that follows from their own decisions
+    (a routing-time prefix tree, router-side load counters) and are not thread-safe."""
+
+    name: str
+
+    def route(
+        self,
+        request: RouteRequest,
+        replicas: Sequence[ReplicaSnapshot],
+        view: RegistryView,
+        now_s: float,
+    ) -> RouteDecision: ...
+
+    def prefix_group(self, request: RouteRequest) -> BlockHash | None:
+        """The group whose traffic this policy wants in ``view.group_rate`` (None: none)."""
+        ...
+
+    def traffic_weight(self, request: RouteRequest) -> float:
+        """What one request adds to its group's decayed traffic counter."""
+        ...
+
+    def on_routed(self, request: RouteRequest, replica: ReplicaId, now_s: float) -> None:
+        """The request was sent to ``replica``."""
+        ...
+
+    def on_finished(self, request: RouteRequest, replica: ReplicaId, now_s: float) -> None:
+        """The request completed (or failed) on ``replica``."""
+        ...
+
+    def on_replica_removed(self, replica: ReplicaId) -> None:
+        """The replica is gone; forget it."""
+        ...
