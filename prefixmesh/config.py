@@ -122,6 +122,31 @@ class PrefixmeshPolicyConfig(_Section):
     """Replicas within this fraction of the best estimated TTFT count as ties ..."""
     near_best_abs_s: float = Field(default=0.002, ge=0)
     """... or within this many seconds; one tie is picked at random (no herding)."""
+    affinity_hysteresis: float = Field(default=0.25, ge=0)
+    """A hot group shrinks from k replicas only once k - 1 would still cover its traffic with
+    this much headroom (grows at once): a rate hovering at a boundary does not flap k."""
+    affinity_max_groups: int = Field(default=4096, ge=1)
+    """Hot groups whose replica count is remembered (least recently routed forgotten first); a
+    forgotten group restarts from its measured rate, so the bound only costs hysteresis."""
+    ring_vnodes: int = Field(default=160, ge=1)
+    """Points per replica on the affinity ring (uhashring's default): enough for an even share
+    of groups per replica at 64 replicas, cheap to rebuild when the fleet changes."""
+    min_prefill_share: float = Field(default=0.05, gt=0, le=1)
+    """Least share of an engine step left to prefill when running decodes fill the token budget
+    (vLLM schedules decodes first): keeps the wait estimate finite on a decode-bound replica."""
+    cpu_fallback_credit: float = Field(default=0.75, ge=0, le=1)
+    """Share of a CPU-tier block's prefill saved when the replica reports no CPU load time
+    (Dynamo's host credit)."""
+    disk_fallback_credit: float = Field(default=0.25, ge=0, le=1)
+    """Share of a disk-tier block's prefill saved when the replica reports no disk load time
+    (Dynamo's disk credit)."""
+    recompute_penalty: float = Field(default=0.5, ge=0)
+    """Extra cost per second of prefill a replica must compute, on top of the TTFT estimate:
+    recomputed work delays every request queued behind it, roughly utilization-many of them,
+    so ~0.5 keeps a holder preferred unless it is clearly busier (0 = pure TTFT)."""
+    decode_batch_size: int = Field(default=32, ge=1)
+    """Requests sharing one decode step on a busy replica: a generated token costs
+    decode_step_s / this of busy time when sizing affinity groups (tune per engine)."""
 
 
 class RoutingConfig(_Section):
