@@ -19,6 +19,7 @@ from prefixmesh.router.policy.base import (
 )
 from prefixmesh.router.policy.dynamo import DynamoPolicy
 from prefixmesh.router.policy.prefix_hash import PrefixHashPolicy
+from prefixmesh.router.policy.prefixmesh_policy import PrefixmeshPolicy
 from prefixmesh.router.policy.ray_prefix import RayPrefixPolicy
 from prefixmesh.router.policy.sglang import SGLangPolicy
 from prefixmesh.router.policy.simple import PowerOfTwoPolicy, RoundRobinPolicy
@@ -30,6 +31,7 @@ POLICY_NAMES: tuple[str, ...] = (
     "ray_prefix",
     "sglang",
     "dynamo",
+    "prefixmesh",
 )
 
 
@@ -55,6 +57,8 @@ def make_policy(
         return SGLangPolicy(config.sglang, block_size=block_size)
     if name == "dynamo":
         return DynamoPolicy(config.dynamo, rng=rng, block_size=block_size)
+    if name == "prefixmesh":
+        return PrefixmeshPolicy(config.prefixmesh, rng=rng, block_size=block_size)
     raise ValueError(f"unknown routing policy {name!r}; valid names: {', '.join(POLICY_NAMES)}")
 
 

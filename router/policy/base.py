@@ -92,6 +92,7 @@ class RouteDecision:
     """Candidates in ranked tiers; the adapter tries the first replica of the first tier first
     (Ray Serve's RequestRouter contract). Never empty when there is at least one replica."""
     hold: Hold | None = None
+    """Applies to ``chosen`` only: an adapter that falls back to a later replica drops it."""
     reason: str = ""
     """A short label for metrics and traces: "affinity", "least_ttft", "overload", ..."""
 

@@ -25,8 +25,11 @@ class ReplicaRing:
         self._ring = HashRing(nodes=[], vnodes=vnodes)
         self._ids: tuple[ReplicaId, ...] = ()
         """The candidate list of the last ``sync``, in its order (a cheap equality check)."""
+        self._position: dict[ReplicaId, int] = {}
+        """Where each replica sits in that list."""
         self._members: set[ReplicaId] = set()
         self._memo: dict[tuple[int, int], tuple[ReplicaId, ...]] = {}
+        self._positions_memo: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def __len__(self) -> int:
         return len(self._members)
@@ -37,6 +40,8 @@ class ReplicaRing:
         if ids == self._ids:
             return
         self._ids = ids
+        self._position = {replica: i for i, replica in enumerate(ids)}
+        self._positions_memo.clear()
         wanted = set(ids)
         if wanted == self._members:
             return  # same fleet, another order
@@ -65,4 +70,16 @@ class ReplicaRing:
                 self._memo.clear()
             found = tuple(ReplicaId(node["nodename"]) for node in self._ring.range(str(key), count))
             self._memo[memo_key] = found
+        return found
+
+    def member_positions(self, key: int, count: int) -> tuple[int, ...]:
+        """``members``, as positions in the list of the last ``sync``."""
+        memo_key = (key, count)
+        found = self._positions_memo.get(memo_key)
+        if found is None:
+            if len(self._positions_memo) >= _MAX_CACHED_KEYS:
+                self._positions_memo.clear()
+            position = self._position
+            found = tuple(position[replica] for replica in self.members(key, count))
+            self._positions_memo[memo_key] = found
         return found

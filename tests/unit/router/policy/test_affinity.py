@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import pytest
+
+from prefixmesh.cache_registry.types import BlockHash
+from prefixmesh.router.policy.affinity import AffinityGroups
+
+G = BlockHash(42)
+
+
+def groups(**overrides: float) -> AffinityGroups:
+    settings = {"target_utilization": 0.5, "hysteresis": 0.25, "max_groups": 3} | overrides
+    return AffinityGroups(**settings)  # type: ignore[arg-type]
+
+
+def test_k_grows_at_once_and_shrinks_only_with_headroom() -> None:
+    g = groups()
+    assert g.size(G, 0.4) == 1  # needs 0.8 of a replica
+    assert g.size(G, 0.6) == 2  # 1.2
+    assert g.size(G, 1.2) == 3  # 2.4
+    assert g.size(G, 0.9) == 3  # 1.8: 2 replicas would run at 0.9 / 2 = 0.45 > 0.5 / 1.25
+    assert g.size(G, 0.75) == 2  # 1.5 x 1.25 = 1.875 fits in 2
+    assert g.size(G, 0.6) == 2  # back at 1.2: no flapping up
+    assert g.size(G, 0.3) == 1  # cooled
+    assert g.known() == {}
+
+
+def test_only_hot_groups_are_remembered_least_recent_forgotten_first() -> None:
+    g = groups(max_groups=2)
+    for group in (1, 2, 3):
+        g.size(BlockHash(group), 5.0)
+    assert set(g.known()) == {2, 3}
+    assert g.size(BlockHash(1), 0.9) == 2  # forgotten: restarts from its rate
+    assert g.size(BlockHash(7), 0.0) == 1 and g.size(BlockHash(8), float("nan")) == 1
+
+
+def test_exact_multiples_do_not_round_up() -> None:
+    assert groups(target_utilization=0.7).size(G, 1.4) == 2
+    with pytest.raises(ValueError, match="target_utilization"):
+        groups(target_utilization=0.0)

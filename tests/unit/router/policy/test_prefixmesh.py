@@ -1,0 +1,197 @@
+"""The prefixmesh policy, one mechanism per test (block size 4, 1,000 prefill tokens/s)."""
+
+from __future__ import annotations
+
+import pytest
+from uhashring import HashRing
+
+from prefixmesh.router.policy.base import Hold, RouteRequest
+from prefixmesh.router.policy.prefixmesh_policy import PrefixmeshPolicy
+from tests.unit.router.policy.builders import (
+    CAPACITY,
+    chain,
+    chosen_ids,
+    fleet,
+    hit,
+    policy,
+    request,
+    rid,
+    snap,
+    view,
+)
+
+NAMES = tuple(f"r{i}" for i in range(8))
+GROUP_HEAD = (1, 2)  # group_tokens = 8: the first 2 blocks name the group
+
+
+def prefixmesh(seed: int = 0, **section: object) -> PrefixmeshPolicy:
+    built = policy("prefixmesh", seed, **({"group_tokens": 8, "hold_min_tokens": 8} | section))
+    assert isinstance(built, PrefixmeshPolicy)
+    return built
+
+
+def group_request(suffix: int, request_id: str = "q") -> RouteRequest:
+    return request(*GROUP_HEAD, suffix, suffix + 1, request_id=request_id)
+
+
+def ring_members(names: tuple[str, ...], k: int) -> set[str]:
+    ring = HashRing(nodes=list(names))
+    return {node["nodename"] for node in ring.range(str(chain(*GROUP_HEAD)[1]), k)}
+
+
+def chosen_over(pm: PrefixmeshPolicy, names: tuple[str, ...], rate: float, n: int = 60) -> set[str]:
+    replicas = fleet(*names)
+    return {
+        str(pm.route(group_request(100 + i), replicas, view(group_rate=rate), 0.0).chosen)
+        for i in range(n)
+    }
+
+
+def test_a_hot_prefix_spreads_over_k_ring_replicas_that_follow_its_rate() -> None:
+    pm = prefixmesh()
+    # Target utilization 0.7: 1.0 busy-s/s needs ceil(1.43) = 2 replicas, 2.0 needs 3.
+    assert chosen_over(pm, NAMES, rate=1.0) == ring_members(NAMES, 2)
+    assert chosen_over(pm, NAMES, rate=2.0) == ring_members(NAMES, 3)
+    assert ring_members(NAMES, 2) < ring_members(NAMES, 3)  # growing keeps the members
+    assert chosen_over(pm, NAMES, rate=1.6) == ring_members(NAMES, 3)  # hysteresis: stays 3
+    decision = pm.route(group_request(7), fleet(*NAMES), view(group_rate=2.0), 0.0)
+    assert decision.reason == "affinity"
+    assert set(chosen_ids(decision.ranked)) == ring_members(NAMES, 3)
+    # Cooled: the group is free again and idle replicas all tie.
+    assert len(chosen_over(pm, NAMES, rate=0.1)) > 3
+    assert pm.route(group_request(7), fleet(*NAMES), view(group_rate=0.1), 0.0).reason == (
+        "least_ttft"
+    )
+
+
+def test_within_a_hot_group_the_estimate_picks_and_the_group_spills_only_when_all_overloaded() -> (
+    None
+):
+    members = sorted(ring_members(NAMES, 2))
+    busy = {members[0]: 500}  # 0.5 s of queued prefill: within the guard, but slower
+    replicas = [snap(n, pending=busy.get(n, 0)) for n in NAMES]
+    for seed in range(10):
+        decision = prefixmesh(seed).route(group_request(9), replicas, view(group_rate=1.0), 0.0)
+        assert (str(decision.chosen), decision.reason) == (members[1], "affinity")
+    overloaded = [snap(n, pending=1500 if n in members else 0) for n in NAMES]
+    decision = prefixmesh().route(group_request(9), overloaded, view(group_rate=1.0), 0.0)
+    assert decision.reason == "spill"
+    assert not set(chosen_ids(decision.ranked)) & set(members)
+
+
+def test_a_cold_prefix_stays_on_its_single_holder() -> None:
+    replicas = [snap("a"), snap("b", pending=20), snap("c"), snap("d")]
+    for seed in range(10):
+        decision = prefixmesh(seed).route(
+            request(*range(10)), replicas, view(group_rate=0.1, b=hit(gpu=8)), 0.0
+        )
+        # b: 0.02 wait + 8 tokens (0.01 floor) + penalty 0.004 < 40 tokens elsewhere (0.06).
+        assert (str(decision.chosen), decision.reason) == ("b", "least_ttft")
+        assert decision.hold is None
+
+
+def test_siblings_of_an_in_flight_prefix_are_held_on_its_replica_with_a_bounded_wait() -> None:
+    # b is computing blocks 2..7 of this prompt right now (speculative); a holds the head.
+    replicas = [snap("a"), snap("b", pending=40), snap("c")]
+    hits = view(a=hit(gpu=2), b=hit(gpu=8, speculative=6))
+    decision = prefixmesh().route(request(*range(10)), replicas, hits, 0.0)
+    assert (str(decision.chosen), decision.reason) == ("b", "hold")
+    # Stored once b's queue (0.04 s, the in-flight prefill included) drains; the in-flight
+    # blocks alone take 24 / 1000 s. Bound: hold_wait_factor 2 x max(0.04, 0.024).
+    assert decision.hold == Hold(num_blocks=8, max_wait_s=pytest.approx(0.08))
+    # Without holds the estimate decides alone: b's 40 ms queue outweighs the 24 tokens it
+    # would save (a: 32 tokens, 0.048 vs b: 0.054) ...
+    unheld = prefixmesh(holds_enabled=False)
+    decision = unheld.route(request(*range(10)), replicas, hits, 0.0)
+    assert (str(decision.chosen), decision.hold) == ("a", None)
+    # ... and with 20 ms queued, b wins (0.034), without a hold.
+    lighter = [snap("a"), snap("b", pending=20), snap("c")]
+    decision = unheld.route(request(*range(10)), lighter, hits, 0.0)
+    assert (str(decision.chosen), decision.hold) == ("b", None)
+    # Too little in flight beyond what is confirmed: no hold.
+    short = prefixmesh(hold_min_tokens=28).route(request(*range(10)), replicas, hits, 0.0)
+    assert short.hold is None
+    # The in-flight replica is overloaded: no hold there.
+    overloaded = [snap("a"), snap("b", pending=2000), snap("c")]
+    decision = prefixmesh().route(request(*range(10)), overloaded, hits, 0.0)
+    assert decision.hold is None and str(decision.chosen) != "b"
+
+
+def test_an_overloaded_holder_loses_only_its_own_excess_traffic() -> None:
+    # a holds prefix P and is overloaded (1.5 s queued > 0 + 1.0 s); d holds Q, busy (0.3 s).
+    replicas = [snap("a", pending=1500), snap("b"), snap("c"), snap("d", pending=300)]
+    p = request(*range(100))
+    q = request(*range(500, 600))
+    for seed in range(10):
+        pm = prefixmesh(seed)
+        on_p = pm.route(p, replicas, view(a=hit(gpu=100), b=hit(gpu=50)), 0.0)
+        # Rebalanced to the longest match among the rest, not to the plain least loaded.
+        assert (str(on_p.chosen), on_p.reason) == ("b", "overload")
+        assert "a" not in chosen_ids(on_p.ranked)
+        on_q = pm.route(q, replicas, view(d=hit(gpu=96)), 0.0)
+        assert (str(on_q.chosen), on_q.reason) == ("d", "least_ttft")
+
+
+def test_near_ties_are_random_across_seeds_and_repeatable_for_one_seed() -> None:
+    replicas = [snap("a"), snap("b"), snap("c"), snap("d", pending=20)]  # d: 20 ms behind
+    chosen = {
+        str(prefixmesh(seed).route(request(1, 2), replicas, view(), 0.0).chosen)
+        for seed in range(30)
+    }
+    assert chosen == {"a", "b", "c"}
+    first, second = prefixmesh(5), prefixmesh(5)
+    runs = [
+        [str(pm.route(request(1, i), replicas, view(), 0.0).chosen) for i in range(20)]
+        for pm in (first, second)
+    ]
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) > 1
+    # A wide enough band takes d in too.
+    wide = {
+        str(
+            prefixmesh(seed, near_best_abs_s=0.05)
+            .route(request(1, 2), replicas, view(), 0.0)
+            .chosen
+        )
+        for seed in range(40)
+    }
+    assert "d" in wide
+
+
+def test_a_tp2_replica_with_twice_the_prefill_rate_wins_an_equal_comparison() -> None:
+    tp2 = CAPACITY.__class__(2000.0, 0.01, 200, 2000, tp_degree=2)
+    for pending in (100, 0):
+        replicas = [snap("tp1", pending=pending), snap("tp2", pending=pending, capacity=tp2)]
+        for seed in range(10):
+            decision = prefixmesh(seed).route(request(*range(10)), replicas, view(), 0.0)
+            assert str(decision.chosen) == "tp2"
+
+
+def test_added_and_removed_replicas() -> None:
+    pm = prefixmesh()
+    before = ring_members(NAMES, 3)
+    assert chosen_over(pm, NAMES, rate=2.0) == before
+    grown = (*NAMES, "r8", "r9")
+    after = chosen_over(pm, grown, rate=2.0)
+    assert after == ring_members(grown, 3) and len(after - before) <= 2
+    gone = sorted(before)[0]
+    pm.on_replica_removed(rid(gone))
+    shrunk = tuple(n for n in grown if n != gone)
+    assert chosen_over(pm, shrunk, rate=2.0) == ring_members(shrunk, 3)
+    assert after - {gone} <= ring_members(shrunk, 3)  # the other members stay
+    one = pm.route(group_request(1), fleet("solo"), view(group_rate=50.0), 0.0)
+    assert chosen_ids(one.ranked) == ["solo"]
+
+
+def test_groups_and_their_traffic_weight() -> None:
+    pm = prefixmesh()
+    assert pm.prefix_group(request(1, 2, 3)) == chain(1, 2)[1]
+    assert pm.prefix_group(request(1)) is None  # shorter than the head
+    assert prefixmesh(group_tokens=2).prefix_group(request(1, 2)) == chain(1)[0]
+    req = request(*range(10), output=64, request_id="w")
+    assert pm.traffic_weight(req) == 0.0  # nothing known about the fleet yet
+    pm.route(req, [snap("a"), snap("b")], view(a=hit(gpu=8)), 0.0)
+    # a computes 8 tokens (8 / 1000 s); 64 tokens x 0.01 s / 32 per step = 0.02 s of decode.
+    assert pm.traffic_weight(req) == pytest.approx(0.008 + 0.02)
+    other = request(*range(10), output=64, request_id="other")
+    assert pm.traffic_weight(other) == pytest.approx(0.032 + 0.02)  # prompt beyond the head
