@@ -15,6 +15,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixmesh.cache_registry.bench",
         "registry lookup latency, publish throughput and memory per entry",
     ),
+    "policy-bench": (
+        "prefixmesh.router.policy.bench",
+        "time of one routing decision per policy at 64 replicas",
+    ),
 }
 
 
