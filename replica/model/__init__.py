@@ -1,0 +1,50 @@
+"""A replica's engine as a model: step timing, a block cache and continuous batching.
+
+Pure (no I/O, no real time, no asyncio): the cluster simulator (loadtest/) drives it with a
+simulated clock, and the real-time ``sim`` engine drives it with wall-clock ``now_s``.
+"""
+
+from __future__ import annotations
+
+from prefixmesh.replica.model.engine import (
+    CacheChanged,
+    EngineEvent,
+    EngineLoad,
+    EngineModel,
+    EngineRequest,
+    Finished,
+    FirstToken,
+    RequestRecord,
+)
+from prefixmesh.replica.model.prefix_cache import CacheChange, PrefixCache, PrefixMatch, to_events
+from prefixmesh.replica.model.profile import (
+    CPU_SMALL,
+    DEFAULT_PROFILE,
+    H100_LLAMA8B,
+    PROFILES,
+    EngineProfile,
+    get_profile,
+    with_cpu_tier,
+)
+
+__all__ = [
+    "CPU_SMALL",
+    "DEFAULT_PROFILE",
+    "H100_LLAMA8B",
+    "PROFILES",
+    "CacheChange",
+    "CacheChanged",
+    "EngineEvent",
+    "EngineLoad",
+    "EngineModel",
+    "EngineProfile",
+    "EngineRequest",
+    "Finished",
+    "FirstToken",
+    "PrefixCache",
+    "PrefixMatch",
+    "RequestRecord",
+    "get_profile",
+    "to_events",
+    "with_cpu_tier",
+]

@@ -1,0 +1,564 @@
+"""A continuous-batching engine (vLLM v1's scheduler, simplified) as an incremental model.
+
+Each step the engine schedules, within ``max_batch_tokens``: one token for every running decode,
+then the next chunk of every running prefill in admission order, then new requests from the FIFO
+waiting queue while budget, ``max_running`` and KV blocks allow (head-of-line blocking, as vLLM's
+FCFS). A request is admitted when its KV blocks fit: the blocks of prompt and expected output are
+reserved up front, so nothing is ever preempted. At admission its leading cached blocks are hits
+(pinned); the last prompt token is always computed (vLLM caps a hit at prompt_tokens - 1). When a
+prompt's prefill completes its full blocks are cached (stored events) and the first token comes
+out at the end of that step; at finish, a multi-turn request's ``finish_key`` blocks (prompt and
+answer) are cached too.
+
+Holds (delay-hit deferral): a request submitted with a ``Hold`` is not admitted while another
+request on this engine is prefilling any of its first ``hold.num_blocks`` blocks, until they are
+stored or ``hold.max_wait_s`` has passed; it keeps its place in the queue meanwhile, others pass it.
+
+Speed: a pure-decode stretch runs as one macro step up to the next finish (finishes come from a
+heap over a global decode counter, so no running request is touched per step); an arrival or an
+abort cuts the stretch at the end of the step in progress. Time only moves forward.
+
+Driving it: ``submit`` / ``abort`` at ``now_s``; ``next_event_s()`` is when something happens next
+(None: idle); ``advance(now_s)`` processes every step that ended by ``now_s`` and returns what
+happened (``CacheChanged``, ``FirstToken``, ``Finished``), oldest first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from prefixmesh.cache_registry.types import BlockHash, PrefixKey
+from prefixmesh.replica.model.prefix_cache import CacheChange, PrefixCache
+from prefixmesh.replica.model.profile import EngineProfile
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    request_id: str
+    key: PrefixKey
+    """Chained hashes of the prompt's full blocks (block size = the engine's)."""
+    prompt_tokens: int
+    output_tokens: int
+    """Tokens it generates (the first comes from the prefill step)."""
+    finish_key: PrefixKey | None = None
+    """Key of prompt + answer (extends ``key``): cached at finish, for the session's next turn."""
+
+
+@dataclass(frozen=True, slots=True)
+class HoldSpec:
+    """Delay-hit deferral for one request; the same fields as the router's ``Hold``."""
+
+    num_blocks: int
+    max_wait_s: float
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request (times in the driver's clock)."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    cached_tokens: int = 0
+    """Prompt tokens served from cache at admission (both tiers)."""
+    cpu_cached_tokens: int = 0
+    """Of those, tokens loaded back from the CPU tier."""
+    prefill_tokens: int = 0
+    """Prompt tokens computed (prompt_tokens - cached_tokens once admitted)."""
+    held_s: float = 0.0
+    """Time spent held behind an in-flight prefix."""
+    aborted: bool = False
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+
+@dataclass(frozen=True, slots=True)
+class CacheChanged:
+    time_s: float
+    changes: tuple[CacheChange, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    time_s: float
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    time_s: float
+    record: RequestRecord
+    """Complete (or ``aborted``); the engine no longer changes it."""
+
+
+EngineEvent = CacheChanged | FirstToken | Finished
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What a replica reports about its load (the router's snapshot fields)."""
+
+    queued_requests: int
+    running_requests: int
+    pending_prefill_tokens: int
+    """Prompt tokens still to compute: in progress exactly, waiting ones estimated from this
+    engine's cache when they were submitted."""
+    active_kv_blocks: int
+    """Blocks reserved by running requests (prompt and output)."""
+
+
+_WAITING, _HELD, _PREFILL, _DECODE, _DONE = range(5)
+
+
+class _Request:
+    __slots__ = (
+        "aborting",
+        "context",
+        "decode_start",
+        "estimate",
+        "held_since",
+        "hold",
+        "hold_deadline_s",
+        "num_computed",
+        "num_hit",
+        "pins",
+        "private_blocks",
+        "record",
+        "reserved_blocks",
+        "spec",
+        "state",
+    )
+
+    def __init__(self, spec: EngineRequest, record: RequestRecord, hold: HoldSpec | None) -> None:
+        self.spec = spec
+        self.record = record
+        self.hold = hold
+        self.hold_deadline_s = record.arrival_s + hold.max_wait_s if hold else 0.0
+        self.held_since = 0.0
+        self.state = _WAITING
+        self.aborting = False
+        self.estimate = 0  # pending prefill tokens counted for it while waiting
+        self.num_hit = 0
+        self.num_computed = 0
+        self.pins: list[BlockHash] = []  # cached blocks it references
+        self.private_blocks = 0
+        self.reserved_blocks = 0
+        self.context = 0  # tokens of KV it attends to while decoding
+        self.decode_start = 0  # global decode counter when it started decoding
+
+
+@dataclass(slots=True)
+class _Stretch:
+    """Steps in progress: one step with prefill chunks, or ``num_steps`` pure decode steps."""
+
+    start_s: float
+    num_steps: int
+    first_step_s: float
+    growth_s: float
+    """Each further decode step takes this much longer (every decode's context grew by 1)."""
+    batch: int
+    """Decode tokens per step."""
+    chunks: list[tuple[_Request, int]]
+    end_s: float = 0.0
+
+    def elapsed_after(self, steps: int) -> float:
+        return steps * self.first_step_s + self.growth_s * steps * (steps - 1) / 2
+
+    def steps_done_by(self, now_s: float) -> int:
+        """Whole steps completed by ``now_s`` (0..num_steps)."""
+        elapsed = now_s - self.start_s
+        if elapsed <= 0:
+            return 0
+        first, growth = self.first_step_s, self.growth_s
+        if growth <= 0:
+            k = int(elapsed // first)
+        else:
+            b = first - growth / 2
+            k = int((-b + math.sqrt(b * b + 2 * growth * elapsed)) / growth)
+        k = max(0, min(k, self.num_steps))
+        while k < self.num_steps and self.elapsed_after(k + 1) <= elapsed:
+            k += 1
+        while k > 0 and self.elapsed_after(k) > elapsed:
+            k -= 1
+        return k
+
+
+class EngineModel:
+    """One replica's engine; see the module docstring."""
+
+    def __init__(self, profile: EngineProfile, tp_degree: int = 1) -> None:
+        self.profile = profile
+        self.tp_degree = tp_degree
+        self.block_size = profile.block_size
+        self.cache = PrefixCache(profile.kv_blocks_at(tp_degree), profile.cpu_blocks)
+        inverse = 1.0 / profile.tp_speedup(tp_degree)
+        self._overhead_s = profile.step_overhead_s
+        self._weights_s = profile.weight_read_s * inverse
+        self._prefill_s = profile.prefill_s_per_token * inverse
+        self._attn_s = profile.attn_s_per_token_ctx * inverse
+        self._decode_s = profile.decode_s_per_token * inverse
+        self._kv_read_s = profile.kv_read_s_per_ctx_token * inverse
+        self._load_s = profile.cpu_load_s_per_block * inverse
+        self._waiting: deque[_Request] = deque()
+        self._held: list[_Request] = []
+        self._prefilling: list[_Request] = []
+        self._decodes: list[tuple[int, int, _Request]] = []  # (finish counter, seq, request)
+        self._num_decoding = 0
+        self._decode_context = 0
+        self._decode_steps = 0
+        """Global decode counter: decode steps run since the engine started."""
+        self._requests: dict[str, _Request] = {}
+        self._aborting: list[_Request] = []
+        self._seq = 0
+        self._clock_s = -math.inf
+        self._stretch: _Stretch | None = None
+        self._events: list[EngineEvent] = []
+        self._load: EngineLoad | None = None
+        self._pending_prefill = 0
+        self._active_kv_blocks = 0
+        self.busy_s = 0.0
+        """Total time spent running steps."""
+        self.steps = 0
+        """Steps run (a decode stretch counts its steps)."""
+
+    # ---- driving -----------------------------------------------------------------------------
+
+    def submit(self, request: EngineRequest, now_s: float, hold: HoldSpec | None = None) -> None:
+        """Queue ``request`` at ``now_s``; it joins the batch at the next step boundary."""
+        self._catch_up(now_s)
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is already on this engine")
+        self._check(request)
+        record = RequestRecord(
+            request.request_id, request.prompt_tokens, request.output_tokens, now_s
+        )
+        req = _Request(request, record, hold)
+        req.estimate = request.prompt_tokens - self._hit_blocks(request) * self.block_size
+        self._pending_prefill += req.estimate
+        self._requests[request.request_id] = req
+        self._waiting.append(req)
+        self._load = None
+        self._wake(now_s)
+
+    def abort(self, request_id: str, now_s: float) -> bool:
+        """Drop a request: at once if it waits, at the end of the step in progress if it runs.
+        Its ``Finished`` event (``record.aborted``) comes out then. False if unknown."""
+        self._catch_up(now_s)
+        req = self._requests.get(request_id)
+        if req is None or req.aborting:
+            return False
+        self._load = None
+        if req.state in (_WAITING, _HELD):
+            if req.state == _WAITING:
+                self._waiting.remove(req)
+            else:
+                self._held.remove(req)
+            self._pending_prefill -= req.estimate
+            self._events.append(self._finish(req, now_s, aborted=True))
+            return True
+        req.aborting = True
+        self._aborting.append(req)
+        self._cut(now_s)
+        return True
+
+    def next_event_s(self) -> float | None:
+        """When the step in progress ends (None when idle)."""
+        return None if self._stretch is None else self._stretch.end_s
+
+    def advance(self, now_s: float) -> list[EngineEvent]:
+        """Run every step that ends by ``now_s``; what happened, oldest first."""
+        self._catch_up(now_s)
+        events, self._events = self._events, []
+        return events
+
+    def load(self) -> EngineLoad:
+        if self._load is None:
+            self._load = EngineLoad(
+                queued_requests=len(self._waiting) + len(self._held),
+                running_requests=len(self._prefilling) + self._num_decoding,
+                pending_prefill_tokens=self._pending_prefill,
+                active_kv_blocks=self._active_kv_blocks,
+            )
+        return self._load
+
+    def generated_tokens(self, request_id: str, now_s: float) -> int:
+        """Output tokens a running request has produced by ``now_s`` (for streaming)."""
+        req = self._requests.get(request_id)
+        if req is None or req.state in (_WAITING, _HELD, _PREFILL):
+            return 0
+        counter = self._decode_steps
+        stretch = self._stretch
+        if stretch is not None and stretch.batch:
+            counter += stretch.steps_done_by(now_s)
+        return min(req.spec.output_tokens, 1 + counter - req.decode_start)
+
+    @property
+    def idle(self) -> bool:
+        return self._stretch is None
+
+    # ---- the step loop -----------------------------------------------------------------------
+
+    def _catch_up(self, now_s: float) -> None:
+        if now_s < self._clock_s:
+            raise ValueError(f"time went backwards: {now_s} < {self._clock_s}")
+        self._clock_s = now_s
+        while self._stretch is not None and self._stretch.end_s <= now_s:
+            stretch = self._stretch
+            self._complete(stretch)
+            self._start(stretch.end_s)
+
+    def _wake(self, now_s: float) -> None:
+        """Something new is queued: start now if idle, else end a decode stretch early."""
+        if self._stretch is None:
+            self._start(now_s)
+        else:
+            self._cut(now_s)
+
+    def _cut(self, now_s: float) -> None:
+        stretch = self._stretch
+        if stretch is None or stretch.num_steps == 1:
+            return
+        steps = min(stretch.num_steps, stretch.steps_done_by(now_s) + 1)
+        if steps < stretch.num_steps:
+            stretch.num_steps = steps
+            stretch.end_s = stretch.start_s + stretch.elapsed_after(steps)
+
+    def _start(self, now_s: float) -> None:
+        """Schedule the next step (or decode stretch) at ``now_s``; idle if nothing to run."""
+        self._load = None
+        if self._held:
+            self._release_held(now_s)
+        budget = self.profile.max_batch_tokens - self._num_decoding
+        chunks: list[tuple[_Request, int]] = []
+        for req in self._prefilling:
+            if budget <= 0:
+                break
+            n = min(req.spec.prompt_tokens - req.num_computed, budget)
+            chunks.append((req, n))
+            budget -= n
+        load_blocks = 0
+        max_running = self.profile.max_running
+        waiting = self._waiting
+        while budget > 0 and waiting:
+            if len(self._prefilling) + self._num_decoding >= max_running:
+                break
+            req = waiting[0]
+            if req.hold is not None and self._blocked(req, now_s):
+                waiting.popleft()
+                req.state = _HELD
+                req.held_since = now_s
+                self._held.append(req)
+                continue
+            loaded = self._admit(req, now_s)
+            if loaded < 0:
+                break  # head-of-line: the oldest request waits for blocks
+            waiting.popleft()
+            load_blocks += loaded
+            n = min(req.spec.prompt_tokens - req.num_computed, budget)
+            chunks.append((req, n))
+            budget -= n
+        batch = self._num_decoding
+        base_s = self._overhead_s + (
+            self._weights_s + batch * self._decode_s + self._decode_context * self._kv_read_s
+        )
+        if chunks:
+            attn, prefill = self._attn_s, self._prefill_s
+            work = sum(n * (prefill + (r.num_computed + n / 2) * attn) for r, n in chunks)
+            step_s = base_s + work + load_blocks * self._load_s
+            stretch = _Stretch(now_s, 1, step_s, 0.0, batch, chunks)
+        elif batch:
+            decodes = self._decodes
+            while decodes[0][2].state != _DECODE:  # aborted ones leave their entries behind
+                heapq.heappop(decodes)
+            steps = decodes[0][0] - self._decode_steps
+            growth = batch * self._kv_read_s
+            stretch = _Stretch(now_s, steps, base_s, growth, batch, chunks)
+        else:
+            self._stretch = None
+            return
+        stretch.end_s = now_s + stretch.elapsed_after(stretch.num_steps)
+        self._stretch = stretch
+
+    def _complete(self, stretch: _Stretch) -> None:
+        """Apply the effects of a stretch that has ended."""
+        self._load = None
+        end_s = stretch.end_s
+        self.busy_s += end_s - stretch.start_s
+        self.steps += stretch.num_steps
+        if stretch.batch:
+            self._decode_steps += stretch.num_steps
+            self._decode_context += stretch.num_steps * stretch.batch
+        first_tokens: list[FirstToken] = []
+        completed = False
+        for req, n in stretch.chunks:
+            if req.state != _PREFILL or req.aborting:
+                continue
+            req.num_computed += n
+            self._pending_prefill -= n
+            if req.num_computed >= req.spec.prompt_tokens:
+                completed = True
+                self._prefill_done(req)
+                first_tokens.append(FirstToken(end_s, req.spec.request_id))
+                req.record.first_token_s = end_s
+        if completed:
+            self._prefilling = [r for r in self._prefilling if r.state == _PREFILL]
+        ending: list[_Request] = [
+            req for req, _ in stretch.chunks if req.state == _DECODE and req.spec.output_tokens == 1
+        ]
+        decodes = self._decodes
+        while decodes and decodes[0][0] <= self._decode_steps:
+            _, _, req = heapq.heappop(decodes)
+            if req.state == _DECODE:
+                ending.append(req)
+        finished: list[Finished] = []
+        for req in ending:
+            self._stop_decoding(req)
+            finished.append(self._finish(req, end_s))
+        if self._aborting:
+            finished += self._drop_aborted(end_s)
+        changes = self.cache.take_changes()
+        if changes:
+            self._events.append(CacheChanged(end_s, tuple(changes)))
+        self._events += first_tokens
+        self._events += finished
+
+    # ---- request life cycle ------------------------------------------------------------------
+
+    def _check(self, request: EngineRequest) -> None:
+        size = self.block_size
+        if request.prompt_tokens <= 0 or request.output_tokens <= 0:
+            raise ValueError("prompt_tokens and output_tokens must be > 0")
+        if request.key.block_size != size or len(request.key) > request.prompt_tokens // size:
+            raise ValueError("the key must hash the prompt's full blocks at the engine's size")
+        needed = -(-(request.prompt_tokens + request.output_tokens) // size)
+        if needed > self.cache.capacity_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs {needed} blocks; the engine has "
+                f"{self.cache.capacity_blocks}"
+            )
+        finish = request.finish_key
+        if finish is not None and (
+            finish.block_hashes[: len(request.key)] != request.key.block_hashes
+            or len(finish) > (request.prompt_tokens + request.output_tokens) // size
+        ):
+            raise ValueError("finish_key must extend key within prompt + output tokens")
+
+    def _hit_blocks(self, request: EngineRequest) -> int:
+        limit = (request.prompt_tokens - 1) // self.block_size
+        return self.cache.match(request.key.block_hashes, limit).num_blocks
+
+    def _blocked(self, req: _Request, now_s: float) -> bool:
+        """Whether a held request must still wait for an in-flight prefix.
+
+        Another request computes blocks [num_hit, len(key)) of its own key. Hashes chain, so it
+        computes one of this request's first blocks iff their keys agree at its first computed
+        position: one comparison per prefilling request, none per block."""
+        assert req.hold is not None
+        if now_s >= req.hold_deadline_s:
+            return False
+        hashes = req.spec.key.block_hashes
+        limit = min(req.hold.num_blocks, len(hashes))
+        for other in self._prefilling:
+            start = other.num_hit
+            theirs = other.spec.key.block_hashes
+            if start < limit and start < len(theirs) and theirs[start] == hashes[start]:
+                return True
+        return False
+
+    def _release_held(self, now_s: float) -> None:
+        released: list[_Request] = []
+        still_held: list[_Request] = []
+        for req in self._held:
+            (still_held if self._blocked(req, now_s) else released).append(req)
+        if not released:
+            return
+        self._held = still_held
+        for req in released:
+            req.state = _WAITING
+            req.record.held_s += now_s - req.held_since
+        # They arrived before anything queued behind them while they were held.
+        self._waiting.extendleft(reversed(released))
+
+    def _admit(self, req: _Request, now_s: float) -> int:
+        """Reserve blocks and pin hits; the CPU blocks to load, or -1 if it does not fit."""
+        spec = req.spec
+        size = self.block_size
+        hashes = spec.key.block_hashes
+        match = self.cache.match(hashes, (spec.prompt_tokens - 1) // size)
+        total = -(-(spec.prompt_tokens + spec.output_tokens) // size)
+        private = total - match.num_blocks
+        if not self.cache.acquire(hashes, match.num_blocks, private):
+            return -1
+        req.state = _PREFILL
+        req.num_hit = match.num_blocks
+        req.pins = list(hashes[: match.num_blocks])
+        req.private_blocks = private
+        req.reserved_blocks = total
+        req.num_computed = match.num_blocks * size
+        record = req.record
+        record.admitted_s = now_s
+        record.cached_tokens = req.num_computed
+        record.cpu_cached_tokens = match.num_cpu_blocks * size
+        record.prefill_tokens = spec.prompt_tokens - req.num_computed
+        self._pending_prefill += record.prefill_tokens - req.estimate
+        req.estimate = 0
+        self._prefilling.append(req)
+        self._active_kv_blocks += total
+        return match.num_cpu_blocks
+
+    def _prefill_done(self, req: _Request) -> None:
+        spec = req.spec
+        stored = self.cache.store(spec.key.block_hashes[req.num_hit :])
+        req.pins.extend(stored)
+        req.private_blocks -= len(stored)
+        req.state = _DECODE
+        if spec.output_tokens > 1:
+            req.context = spec.prompt_tokens + 1
+            req.decode_start = self._decode_steps
+            self._num_decoding += 1
+            self._decode_context += req.context
+            self._seq += 1
+            finish_at = self._decode_steps + spec.output_tokens - 1
+            heapq.heappush(self._decodes, (finish_at, self._seq, req))
+
+    def _stop_decoding(self, req: _Request) -> None:
+        if req.spec.output_tokens > 1:
+            self._num_decoding -= 1
+            self._decode_context -= req.context + self._decode_steps - req.decode_start
+
+    def _finish(self, req: _Request, now_s: float, *, aborted: bool = False) -> Finished:
+        spec = req.spec
+        if req.reserved_blocks:
+            if spec.finish_key is not None and not aborted:
+                stored = self.cache.store(spec.finish_key.block_hashes[len(spec.key) :])
+                req.pins.extend(stored)
+                req.private_blocks -= len(stored)
+            self.cache.release(req.pins, req.private_blocks)
+            self._active_kv_blocks -= req.reserved_blocks
+        req.state = _DONE
+        req.record.finish_s = now_s
+        req.record.aborted = aborted
+        del self._requests[spec.request_id]
+        return Finished(now_s, req.record)
+
+    def _drop_aborted(self, now_s: float) -> list[Finished]:
+        finished: list[Finished] = []
+        for req in self._aborting:
+            if req.state == _PREFILL:
+                self._pending_prefill -= req.spec.prompt_tokens - req.num_computed
+                self._prefilling.remove(req)
+            elif req.state == _DECODE:
+                self._stop_decoding(req)
+            if req.state != _DONE:
+                finished.append(self._finish(req, now_s, aborted=True))
+        self._aborting.clear()
+        return finished

@@ -1,0 +1,235 @@
+"""The engine-tier block cache of one replica, with an optional CPU tier: bookkeeping only.
+
+Blocks are counted, not placed: the cache knows how many blocks are allocated, which hashes are
+cached, who references them, and in which order unreferenced ones are evicted. That is all a
+routing experiment needs, and it keeps admission O(blocks of the request).
+
+Engine tier (vLLM's prefix cache semantics):
+  - a cached block has a hash and a reference count; running requests reference the blocks they
+    hit or stored; a block nobody references stays cached but is evictable;
+  - evictable blocks leave in LRU order; a request's blocks are released tail first, so within one
+    prompt the last block is evicted first (vLLM's free queue does the same);
+  - a private block is allocated to a running request without a cached hash: a block still being
+    prefilled, the reservation for the output, a partial last block, or a duplicate of a block
+    another request stored first (vLLM keeps such duplicates too);
+  - capacity = cached blocks + private blocks + free blocks.
+
+CPU tier (optional): a plain LRU of hashes. A block evicted from the engine tier is written to it;
+a hit there is loaded back into an engine block (the CPU copy stays, as a write-through copy).
+
+Every change of what is held leaves as a ``CacheChange`` (stored/removed, with tier), to be
+published to the registry as ``CacheEvent``s.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import islice, takewhile
+
+from prefixmesh.cache_registry.types import BlockHash, CacheEvent, EventKind, ReplicaId, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class CacheChange:
+    """Blocks that became held (stored) or stopped being held (removed) in one tier."""
+
+    kind: EventKind
+    tier: Tier
+    block_hashes: tuple[BlockHash, ...]
+
+
+def to_events(
+    changes: Sequence[CacheChange], replica_id: ReplicaId, first_seq: int, epoch: int = 0
+) -> list[CacheEvent]:
+    """Sequence-numbered registry events for ``changes`` (seq ``first_seq`` onwards)."""
+    return [
+        CacheEvent(change.kind, replica_id, first_seq + i, epoch, change.tier, change.block_hashes)
+        for i, change in enumerate(changes)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    num_blocks: int
+    """Leading blocks held in some tier."""
+    num_cpu_blocks: int = 0
+    """Of those, the blocks held only in the CPU tier (to be loaded back)."""
+
+
+class PrefixCache:
+    """Engine-tier blocks with reference counts and LRU eviction, plus an optional CPU tier."""
+
+    def __init__(self, capacity_blocks: int, cpu_blocks: int = 0) -> None:
+        if capacity_blocks <= 0 or cpu_blocks < 0:
+            raise ValueError("capacity_blocks must be > 0 and cpu_blocks >= 0")
+        self.capacity_blocks = capacity_blocks
+        self.cpu_capacity_blocks = cpu_blocks
+        self._refs: dict[BlockHash, int] = {}
+        """Cached engine-tier blocks -> number of running requests referencing them."""
+        self._evictable: OrderedDict[BlockHash, None] = OrderedDict()
+        """Cached blocks with no reference, first to be evicted first."""
+        self._cpu: OrderedDict[BlockHash, None] = OrderedDict()
+        """CPU-tier blocks, least recently used first."""
+        self._private = 0
+        self._changes: list[CacheChange] = []
+
+    # ---- state -----------------------------------------------------------------------------
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._refs)
+
+    @property
+    def num_private(self) -> int:
+        return self._private
+
+    @property
+    def num_free(self) -> int:
+        return self.capacity_blocks - len(self._refs) - self._private
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def eviction_order(self) -> list[BlockHash]:
+        """Evictable engine-tier blocks, next to be evicted first."""
+        return list(self._evictable)
+
+    def cpu_blocks(self) -> list[BlockHash]:
+        """CPU-tier blocks, least recently used first."""
+        return list(self._cpu)
+
+    def holds(self, block: BlockHash) -> Tier | None:
+        """The fastest tier holding ``block`` (None when neither does)."""
+        if block in self._refs:
+            return Tier.GPU
+        return Tier.CPU if block in self._cpu else None
+
+    def take_changes(self) -> list[CacheChange]:
+        """The changes since the last call, oldest first."""
+        changes, self._changes = self._changes, []
+        return changes
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def match(self, hashes: Sequence[BlockHash], max_blocks: int) -> PrefixMatch:
+        """Leading blocks of ``hashes`` (at most ``max_blocks``) held in the engine or CPU tier."""
+        limit = max(0, min(max_blocks, len(hashes)))
+        # NOTE: iterate in C (takewhile over dict.__contains__): this runs twice per request.
+        num_gpu = len(list(takewhile(self._refs.__contains__, islice(hashes, limit))))
+        if num_gpu == limit or not self._cpu:
+            return PrefixMatch(num_gpu)
+        refs, cpu = self._refs, self._cpu
+        num_cpu = 0
+        for i in range(num_gpu, limit):
+            block = hashes[i]
+            if block in refs:
+                continue
+            if block in cpu:
+                num_cpu += 1
+                continue
+            return PrefixMatch(i, num_cpu)
+        return PrefixMatch(limit, num_cpu)
+
+    def acquire(self, hashes: Sequence[BlockHash], num_hit: int, num_private: int) -> bool:
+        """Reference the first ``num_hit`` blocks of ``hashes`` (as matched: CPU-only ones are
+        loaded into engine blocks) and allocate ``num_private`` private blocks, evicting as
+        needed. Returns False, changing nothing, when the blocks do not fit."""
+        refs = self._refs
+        hit = hashes[:num_hit]
+        counts = list(map(refs.get, hit))
+        pinned_evictable = counts.count(0)
+        to_load = (
+            [b for b, c in zip(hit, counts, strict=True) if c is None] if None in counts else []
+        )
+        needed = len(to_load) + num_private
+        if needed > self.num_free + len(self._evictable) - pinned_evictable:
+            return False
+        evictable = self._evictable
+        for block in hit:
+            count = refs.get(block)
+            if count is not None:
+                if count == 0:
+                    del evictable[block]
+                refs[block] = count + 1
+        cpu = self._cpu
+        for block in to_load:
+            cpu.move_to_end(block)  # the loaded copy is the most recently used
+        self._make_room(needed)
+        for block in to_load:
+            refs[block] = 1
+        if to_load:
+            self._changes.append(CacheChange(EventKind.STORED, Tier.GPU, tuple(to_load)))
+        self._private += num_private
+        return True
+
+    def store(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """A running request finished computing ``hashes`` in its private blocks: cache them.
+
+        Returns the hashes it now references (its copies became the cached ones); a block some
+        other request cached first stays private to this request and is freed at release."""
+        refs = self._refs
+        stored = [block for block in hashes if block not in refs]
+        if len(set(stored)) != len(stored):
+            raise ValueError("a prompt cannot hold the same block hash twice")
+        if len(stored) > self._private:
+            raise ValueError(f"storing {len(stored)} blocks but only {self._private} private")
+        for block in stored:
+            refs[block] = 1
+        self._private -= len(stored)
+        if stored:
+            self._changes.append(CacheChange(EventKind.STORED, Tier.GPU, tuple(stored)))
+        return stored
+
+    def release(self, held: Sequence[BlockHash], num_private: int) -> None:
+        """A request is done: drop its references (tail first) and free its private blocks."""
+        refs, evictable = self._refs, self._evictable
+        for block in reversed(held):
+            count = refs[block] - 1
+            refs[block] = count
+            if count == 0:
+                evictable[block] = None
+        if num_private > self._private:
+            raise ValueError(f"releasing {num_private} private blocks of {self._private}")
+        self._private -= num_private
+
+    # ---- eviction --------------------------------------------------------------------------
+
+    def _make_room(self, num_blocks: int) -> None:
+        shortfall = num_blocks - self.num_free
+        if shortfall <= 0:
+            return
+        refs, evictable = self._refs, self._evictable
+        removed: list[BlockHash] = []
+        for _ in range(shortfall):
+            block, _ = evictable.popitem(last=False)
+            del refs[block]
+            removed.append(block)
+        self._changes.append(CacheChange(EventKind.REMOVED, Tier.GPU, tuple(removed)))
+        if self.cpu_capacity_blocks:
+            self._write_to_cpu(removed)
+
+    def _write_to_cpu(self, blocks: list[BlockHash]) -> None:
+        cpu = self._cpu
+        added: list[BlockHash] = []
+        for block in blocks:
+            if block in cpu:
+                cpu.move_to_end(block)
+            else:
+                cpu[block] = None
+                added.append(block)
+        dropped: list[BlockHash] = []
+        while len(cpu) > self.cpu_capacity_blocks:
+            block, _ = cpu.popitem(last=False)
+            dropped.append(block)
+        if dropped and added:
+            # A block added and dropped within one batch was never held: report neither.
+            added_set = set(added)
+            added = [b for b in added if b in cpu]
+            dropped = [b for b in dropped if b not in added_set]
+        if added:
+            self._changes.append(CacheChange(EventKind.STORED, Tier.CPU, tuple(added)))
+        if dropped:
+            self._changes.append(CacheChange(EventKind.REMOVED, Tier.CPU, tuple(dropped)))
