@@ -1,0 +1,281 @@
+"""The continuous-batching engine model, on a tiny profile with exact (binary) step times.
+
+Tiny profile: block 4 tokens, 8-token step budget, a step costs 1 s + 0.125 s per prefill token
++ 0.5 s per decode token (no attention or KV-read terms unless a test adds them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from prefixmesh.cache_registry.types import BlockHash, EventKind, PrefixKey, Tier
+from prefixmesh.replica.model.engine import (
+    CacheChanged,
+    EngineEvent,
+    EngineModel,
+    EngineRequest,
+    Finished,
+    FirstToken,
+    HoldSpec,
+    RequestRecord,
+)
+from prefixmesh.replica.model.prefix_cache import CacheChange
+from prefixmesh.replica.model.profile import EngineProfile
+
+TINY = EngineProfile(
+    name="tiny",
+    block_size=4,
+    kv_blocks=16,
+    max_batch_tokens=8,
+    max_running=4,
+    step_overhead_s=1.0,
+    prefill_s_per_token=0.125,
+    attn_s_per_token_ctx=0.0,
+    decode_s_per_token=0.5,
+    kv_read_s_per_ctx_token=0.0,
+)
+
+
+def key(*hashes: int) -> PrefixKey:
+    return PrefixKey(tuple(BlockHash(x) for x in hashes), 4)
+
+
+def request(
+    request_id: str, blocks: tuple[int, ...], prompt: int, output: int, **extra: object
+) -> EngineRequest:
+    return EngineRequest(request_id, key(*blocks), prompt, output, **extra)  # type: ignore[arg-type]
+
+
+def drain(engine: EngineModel, until_s: float = float("inf")) -> list[EngineEvent]:
+    """Advance step by step to ``until_s`` (or until idle); every event, in order."""
+    events: list[EngineEvent] = []
+    while (next_s := engine.next_event_s()) is not None and next_s <= until_s:
+        events += engine.advance(next_s)
+    return events
+
+
+def records(events: list[EngineEvent]) -> dict[str, RequestRecord]:
+    return {e.record.request_id: e.record for e in events if isinstance(e, Finished)}
+
+
+def test_chunked_prefill_then_one_decode_stretch() -> None:
+    engine = EngineModel(TINY)
+    engine.submit(request("a", (1, 2, 3), prompt=12, output=3), 0.0)
+    assert engine.next_event_s() == 2.0  # 8 tokens: 1 + 8 * 0.125
+    assert engine.advance(2.0) == []
+    assert engine.next_event_s() == 3.5  # the last 4 tokens
+    first = engine.advance(3.5)
+    stored = CacheChange(EventKind.STORED, Tier.GPU, key(1, 2, 3).block_hashes)
+    assert first == [CacheChanged(3.5, (stored,)), FirstToken(3.5, "a")]
+    assert engine.next_event_s() == 6.5  # two decode steps of 1.5 s, as one stretch
+    [finished] = engine.advance(6.5)
+    assert isinstance(finished, Finished)
+    assert finished.record == RequestRecord(
+        "a", 12, 3, arrival_s=0.0, admitted_s=0.0, first_token_s=3.5, finish_s=6.5,
+        cached_tokens=0, prefill_tokens=12,
+    )  # fmt: skip
+    assert engine.next_event_s() is None
+    assert engine.steps == 4 and engine.busy_s == 6.5
+    assert engine.cache.eviction_order() == list(key(3, 2, 1).block_hashes)
+
+
+def test_a_hit_never_covers_the_last_prompt_token() -> None:
+    engine = EngineModel(TINY)
+    engine.submit(request("a", (1, 2, 3), prompt=12, output=1), 0.0)
+    drain(engine)
+    engine.submit(request("b", (1, 2, 3), prompt=12, output=1), 10.0)  # block-aligned repeat
+    engine.submit(request("c", (1, 2, 3), prompt=13, output=1), 10.0)
+    done = records(drain(engine))
+    assert (done["b"].cached_tokens, done["b"].prefill_tokens) == (8, 4)
+    assert (done["c"].cached_tokens, done["c"].prefill_tokens) == (12, 1)
+    # An idle engine starts a step at the first arrival: b alone, then c.
+    assert done["b"].first_token_s == 11.5
+    assert done["c"].first_token_s == 12.625
+
+
+def test_arrival_mid_stretch_joins_at_the_next_step_boundary() -> None:
+    engine = EngineModel(TINY)
+    engine.submit(request("a", (1,), prompt=4, output=4), 0.0)
+    drain(engine, 1.5)  # prefill step; a decode stretch of 3 steps is planned to 6.0
+    assert engine.next_event_s() == 6.0
+    engine.submit(request("b", (5, 6), prompt=8, output=2), 2.0)  # during decode step 1.5-3.0
+    assert engine.next_event_s() == 3.0  # the stretch is cut after the step in progress
+    done = records(drain(engine))
+    # 3.0: a's decode + 7 tokens of b (the budget minus one decode token): 1 + 0.5 + 0.875
+    # 5.375: a's last decode + b's last token: 1 + 0.5 + 0.125 -> 7.0; then b decodes once.
+    assert done["b"].admitted_s == 3.0
+    assert done["a"].finish_s == 7.0
+    assert done["b"].first_token_s == 7.0
+    assert done["b"].finish_s == 8.5
+
+
+def test_decode_stretch_equals_the_sum_of_its_growing_steps() -> None:
+    profile = replace(TINY, kv_read_s_per_ctx_token=0.01)
+    engine = EngineModel(profile)
+    engine.submit(request("a", (1,), prompt=4, output=6), 0.0)
+    done = records(drain(engine))
+    # prefill 1.5 s; then 5 decode steps, step j reading 5 + j context tokens
+    expected = 1.5 + sum(1.0 + 0.5 + (5 + j) * 0.01 for j in range(5))
+    assert done["a"].finish_s == pytest.approx(expected)
+    assert engine.steps == 6
+
+
+def test_generated_tokens_follow_the_stretch() -> None:
+    engine = EngineModel(TINY)
+    engine.submit(request("a", (1,), prompt=4, output=5), 0.0)
+    assert engine.generated_tokens("a", 1.0) == 0
+    drain(engine, 1.5)
+    assert engine.generated_tokens("a", 1.5) == 1
+    assert engine.generated_tokens("a", 2.9) == 1
+    assert engine.generated_tokens("a", 3.0) == 2
+    assert engine.generated_tokens("a", 6.0) == 4
+    assert engine.generated_tokens("missing", 6.0) == 0
+
+
+def test_admission_waits_for_blocks_and_evicts_tail_first() -> None:
+    engine = EngineModel(replace(TINY, kv_blocks=4))
+    engine.submit(request("a", (1, 2), prompt=8, output=4), 0.0)  # 12 tokens: 3 blocks
+    engine.submit(request("b", (7, 8), prompt=8, output=1), 0.0)  # 9 tokens: 3 blocks
+    events = drain(engine)
+    done = records(events)
+    assert done["a"].finish_s == 6.5  # 2.0 prefill + 3 decode steps of 1.5
+    assert done["b"].admitted_s == 6.5
+    removals = [
+        c for e in events if isinstance(e, CacheChanged) for c in e.changes
+        if c.kind is EventKind.REMOVED
+    ]  # fmt: skip
+    assert removals == [CacheChange(EventKind.REMOVED, Tier.GPU, (BlockHash(2),))]
+
+
+def test_max_running_bounds_the_batch() -> None:
+    engine = EngineModel(replace(TINY, max_running=1))
+    engine.submit(request("a", (1,), prompt=4, output=2), 0.0)
+    engine.submit(request("b", (2,), prompt=4, output=2), 0.0)
+    done = records(drain(engine))
+    assert done["b"].admitted_s == done["a"].finish_s == 3.0
+
+
+def test_the_oldest_request_blocks_the_queue() -> None:
+    engine = EngineModel(replace(TINY, kv_blocks=6))
+    engine.submit(request("a", (1,), prompt=4, output=8), 0.0)  # 3 blocks
+    engine.submit(request("big", (2, 3), prompt=8, output=8), 0.0)  # 4 blocks: waits for a
+    engine.submit(request("small", (4,), prompt=4, output=1), 0.0)  # 2 blocks would fit
+    done = records(drain(engine))
+    assert done["small"].admitted_s >= done["big"].admitted_s == done["a"].finish_s
+
+
+def test_hold_waits_for_the_in_flight_prefix_then_hits_it() -> None:
+    engine = EngineModel(TINY)
+    engine.submit(request("a", (1, 2, 3), prompt=12, output=1), 0.0)
+    engine.submit(request("b", (1, 2, 3), prompt=13, output=1), 0.5, HoldSpec(3, 10.0))
+    engine.submit(request("c", (9,), prompt=4, output=1), 0.5)  # not held: passes b
+    done = records(drain(engine))
+    # 2.0: a's last 4 tokens and c's 4 share a step (to 4.0); b is set aside meanwhile.
+    assert done["c"].admitted_s == 2.0
+    assert done["a"].first_token_s == 4.0
+    assert done["b"].admitted_s == 4.0
+    assert (done["b"].cached_tokens, done["b"].prefill_tokens) == (12, 1)
+    assert done["b"].held_s == 2.0
+
+
+def test_without_a_hold_the_sibling_computes_the_prefix_again() -> None:
+    engine = EngineModel(TINY)
+    engine.submit(request("a", (1, 2, 3), prompt=12, output=1), 0.0)
+    engine.submit(request("b", (1, 2, 3), prompt=13, output=1), 0.5)
+    done = records(drain(engine))
+    assert done["b"].admitted_s == 2.0
+    assert (done["b"].cached_tokens, done["b"].prefill_tokens) == (0, 13)
+
+
+def test_hold_runs_out_at_its_bound() -> None:
+    engine = EngineModel(TINY)
+    engine.submit(request("a", (1, 2, 3), prompt=12, output=1), 0.0)
+    engine.submit(request("b", (1, 2, 3), prompt=13, output=1), 0.5, HoldSpec(3, 1.0))
+    done = records(drain(engine))
+    assert done["b"].admitted_s == 2.0  # the bound (1.5) passed before the 2.0 boundary
+    assert done["b"].cached_tokens == 0
+    assert done["b"].held_s == 0.0
+
+
+def test_hold_on_blocks_nobody_computes_is_no_wait() -> None:
+    engine = EngineModel(TINY)
+    engine.submit(request("a", (1, 2), prompt=8, output=1), 0.0)
+    engine.submit(request("b", (5, 6), prompt=8, output=1), 0.0, HoldSpec(2, 10.0))
+    done = records(drain(engine))
+    assert done["b"].admitted_s == 2.0 and done["b"].held_s == 0.0
+
+
+def test_finish_key_caches_the_answer_for_the_next_turn() -> None:
+    engine = EngineModel(TINY)
+    turn1 = request("t1", (1, 2), prompt=8, output=8, finish_key=key(1, 2, 3, 4))
+    engine.submit(turn1, 0.0)
+    drain(engine)
+    assert engine.cache.num_cached == 4
+    engine.submit(request("t2", (1, 2, 3, 4), prompt=18, output=1), 20.0)
+    assert records(drain(engine))["t2"].cached_tokens == 16
+
+
+def test_abort_waiting_and_running_requests() -> None:
+    engine = EngineModel(replace(TINY, max_running=1))
+    engine.submit(request("a", (1,), prompt=4, output=10), 0.0)
+    engine.submit(request("b", (2,), prompt=4, output=1), 0.0)
+    drain(engine, 1.5)
+    assert engine.abort("b", 2.0)
+    [aborted] = engine.advance(2.0)
+    assert isinstance(aborted, Finished) and aborted.record.aborted
+    assert engine.abort("a", 2.0)
+    assert not engine.abort("a", 2.0)
+    assert engine.next_event_s() == 3.0  # the decode step in progress completes
+    [done] = engine.advance(3.0)
+    assert isinstance(done, Finished) and done.record.aborted and done.record.finish_s == 3.0
+    assert engine.next_event_s() is None
+    assert (engine.cache.num_private, engine.load().active_kv_blocks) == (0, 0)
+
+
+def test_load_reports_queue_running_and_pending_prefill() -> None:
+    engine = EngineModel(replace(TINY, max_running=1))
+    engine.submit(request("a", (1, 2, 3), prompt=12, output=2), 0.0)
+    engine.submit(request("b", (5,), prompt=6, output=2), 0.0)
+    load = engine.load()
+    assert (load.queued_requests, load.running_requests) == (1, 1)
+    assert load.pending_prefill_tokens == 12 + 6
+    assert load.active_kv_blocks == 4  # a: 14 tokens -> 4 blocks
+    drain(engine, 2.0)
+    assert engine.load().pending_prefill_tokens == 4 + 6
+
+
+def test_tensor_parallel_replica_is_faster_and_holds_more() -> None:
+    profile = replace(TINY, tp_efficiency=1.0)
+    engine = EngineModel(profile, tp_degree=2)
+    assert engine.cache.capacity_blocks == 32
+    engine.submit(request("a", (1, 2), prompt=8, output=1), 0.0)
+    assert engine.next_event_s() == 1.5  # overhead is not split: 1 + 1.0 / 2
+
+
+def test_cpu_hits_load_back_within_the_step() -> None:
+    profile = replace(TINY, kv_blocks=4, cpu_blocks=8, cpu_load_s_per_block=0.25)
+    engine = EngineModel(profile)
+    engine.submit(request("a", (1, 2), prompt=8, output=1), 0.0)
+    engine.submit(request("b", (5, 6), prompt=8, output=1), 0.0)  # evicts a's block 2
+    drain(engine)
+    engine.submit(request("c", (1, 2), prompt=9, output=1), 10.0)
+    done = records(drain(engine))
+    assert (done["c"].cached_tokens, done["c"].cpu_cached_tokens) == (8, 4)
+    assert done["c"].first_token_s == 10.0 + 1.0 + 0.125 + 0.25
+
+
+def test_misuse_is_refused() -> None:
+    engine = EngineModel(TINY)
+    with pytest.raises(ValueError):
+        engine.submit(request("huge", (1,), prompt=60, output=10), 0.0)  # 18 blocks > 16
+    with pytest.raises(ValueError):
+        engine.submit(request("bad", (1, 2, 3), prompt=8, output=1), 0.0)  # key too long
+    with pytest.raises(ValueError):
+        engine.submit(request("x", (1,), prompt=4, output=1, finish_key=key(9, 9)), 0.0)
+    engine.submit(request("a", (1,), prompt=4, output=1), 5.0)
+    with pytest.raises(ValueError):
+        engine.submit(request("a", (1,), prompt=4, output=1), 5.0)
+    with pytest.raises(ValueError):
+        engine.advance(4.0)

@@ -1,0 +1,148 @@
+"""The engine-tier block cache: exact eviction orders and events (the eviction spec)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixmesh.cache_registry.types import BlockHash, CacheEvent, EventKind, ReplicaId, Tier
+from prefixmesh.replica.model.prefix_cache import CacheChange, PrefixCache, PrefixMatch, to_events
+
+
+def h(*values: int) -> list[BlockHash]:
+    return [BlockHash(v) for v in values]
+
+
+def run_request(cache: PrefixCache, blocks: list[BlockHash], extra_private: int = 0) -> None:
+    """Allocate, compute and store ``blocks``, then release them (a request's whole life)."""
+    assert cache.acquire(blocks, 0, len(blocks) + extra_private)
+    stored = cache.store(blocks)
+    cache.release(stored, len(blocks) + extra_private - len(stored))
+
+
+def test_release_puts_the_tail_of_a_prompt_first() -> None:
+    cache = PrefixCache(8)
+    run_request(cache, h(1, 2, 3))
+    assert cache.eviction_order() == h(3, 2, 1)
+    assert (cache.num_cached, cache.num_private, cache.num_free) == (3, 0, 5)
+    assert cache.take_changes() == [CacheChange(EventKind.STORED, Tier.GPU, (1, 2, 3))]
+    assert cache.take_changes() == []
+
+
+def test_lru_across_requests_and_a_hit_moves_blocks_back() -> None:
+    cache = PrefixCache(8)
+    run_request(cache, h(1, 2))
+    run_request(cache, h(5, 6))
+    assert cache.eviction_order() == h(2, 1, 6, 5)
+    assert cache.match(h(1, 2, 9), 3) == PrefixMatch(2)
+    assert cache.acquire(h(1), 1, 0)  # pins block 1: no longer evictable
+    assert cache.eviction_order() == h(2, 6, 5)
+    cache.release(h(1), 0)
+    assert cache.eviction_order() == h(2, 6, 5, 1)
+
+
+def test_allocation_evicts_from_the_front_and_reports_removals() -> None:
+    cache = PrefixCache(4)
+    run_request(cache, h(1, 2))
+    run_request(cache, h(5, 6))
+    cache.take_changes()
+    assert cache.acquire(h(9), 0, 3)
+    assert cache.eviction_order() == h(5)
+    assert cache.take_changes() == [CacheChange(EventKind.REMOVED, Tier.GPU, (2, 1, 6))]
+    assert (cache.num_cached, cache.num_private, cache.num_free) == (1, 3, 0)
+
+
+def test_acquire_that_does_not_fit_changes_nothing() -> None:
+    cache = PrefixCache(4)
+    run_request(cache, h(1, 2))
+    cache.take_changes()
+    assert cache.acquire(h(1, 2), 2, 2)  # pins both, fills the rest
+    assert not cache.acquire(h(7), 0, 1)
+    assert cache.take_changes() == []
+    assert (cache.num_cached, cache.num_private, cache.num_evictable) == (2, 2, 0)
+
+
+def test_pinned_hits_do_not_count_as_room() -> None:
+    cache = PrefixCache(4)
+    run_request(cache, h(1, 2, 3))  # 3 evictable, 1 free
+    assert not cache.acquire(h(1, 2, 3), 3, 2)  # pinning all three leaves 1 block for 2
+    assert cache.acquire(h(1, 2, 3), 2, 2)  # pins 1 and 2, evicts 3
+    assert cache.take_changes()[-1] == CacheChange(EventKind.REMOVED, Tier.GPU, (3,))
+
+
+def test_a_block_stored_twice_stays_private_to_the_second_request() -> None:
+    cache = PrefixCache(8)
+    assert cache.acquire([], 0, 2)
+    assert cache.acquire([], 0, 2)
+    assert cache.store(h(1, 2)) == h(1, 2)
+    assert cache.store(h(1, 2)) == []  # another request cached them first
+    assert (cache.num_cached, cache.num_private) == (2, 2)
+    cache.release(h(1, 2), 0)
+    cache.release([], 2)
+    assert (cache.num_cached, cache.num_private, cache.num_free) == (2, 0, 6)
+
+
+def test_store_checks_its_reservation() -> None:
+    cache = PrefixCache(8)
+    assert cache.acquire([], 0, 1)
+    with pytest.raises(ValueError):
+        cache.store(h(1, 2))
+    with pytest.raises(ValueError):
+        cache.store(h(3, 3))
+
+
+def test_cpu_tier_keeps_evicted_blocks_and_serves_them_back() -> None:
+    cache = PrefixCache(3, cpu_blocks=4)
+    run_request(cache, h(1, 2))
+    cache.take_changes()
+    assert cache.acquire([], 0, 3)  # evicts 2 then 1 into the CPU tier
+    assert cache.take_changes() == [
+        CacheChange(EventKind.REMOVED, Tier.GPU, (2, 1)),
+        CacheChange(EventKind.STORED, Tier.CPU, (2, 1)),
+    ]
+    assert cache.cpu_blocks() == h(2, 1)
+    assert cache.holds(BlockHash(1)) is Tier.CPU
+    cache.release([], 3)
+    assert cache.match(h(1, 2, 3), 3) == PrefixMatch(2, num_cpu_blocks=2)
+    assert cache.acquire(h(1, 2), 2, 1)  # both loaded back into engine blocks
+    assert cache.take_changes() == [CacheChange(EventKind.STORED, Tier.GPU, (1, 2))]
+    assert cache.holds(BlockHash(1)) is Tier.GPU
+    assert cache.cpu_blocks() == h(1, 2)  # the CPU copies stay, most recently used last
+
+
+def test_cpu_tier_drops_its_least_recently_used_blocks() -> None:
+    cache = PrefixCache(2, cpu_blocks=2)
+    run_request(cache, h(1, 2))
+    assert cache.acquire([], 0, 2)  # 2, 1 -> CPU
+    stored = cache.store(h(5, 6))
+    cache.release(stored, 0)
+    cache.take_changes()
+    assert cache.acquire([], 0, 2)  # 6, 5 -> CPU; 2, 1 drop out of it
+    assert cache.take_changes() == [
+        CacheChange(EventKind.REMOVED, Tier.GPU, (6, 5)),
+        CacheChange(EventKind.STORED, Tier.CPU, (6, 5)),
+        CacheChange(EventKind.REMOVED, Tier.CPU, (2, 1)),
+    ]
+    assert cache.cpu_blocks() == h(6, 5)
+
+
+def test_cpu_batch_larger_than_the_tier_reports_only_what_stays() -> None:
+    cache = PrefixCache(3, cpu_blocks=1)
+    run_request(cache, h(1, 2, 3))
+    cache.take_changes()
+    assert cache.acquire([], 0, 3)
+    assert cache.take_changes() == [
+        CacheChange(EventKind.REMOVED, Tier.GPU, (3, 2, 1)),
+        CacheChange(EventKind.STORED, Tier.CPU, (1,)),
+    ]
+
+
+def test_changes_become_sequence_numbered_events() -> None:
+    changes = [
+        CacheChange(EventKind.STORED, Tier.GPU, (1, 2)),
+        CacheChange(EventKind.REMOVED, Tier.GPU, (1,)),
+    ]
+    replica = ReplicaId("r0")
+    assert to_events(changes, replica, first_seq=5, epoch=3) == [
+        CacheEvent(EventKind.STORED, replica, 5, 3, Tier.GPU, (1, 2)),
+        CacheEvent(EventKind.REMOVED, replica, 6, 3, Tier.GPU, (1,)),
+    ]
