@@ -1,0 +1,118 @@
+"""Simulator invariants: everything finishes, work is conserved, runs repeat exactly."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from prefixmesh.loadtest.keys import KeyBuilder, Segment
+from prefixmesh.loadtest.metrics import compute_metrics
+from prefixmesh.loadtest.oracle import oracle_hits
+from prefixmesh.loadtest.sim import ClusterSim, SimConfig, SimResult
+from prefixmesh.loadtest.workloads import (
+    BlogWorkload,
+    BurstWorkload,
+    MultiturnWorkload,
+    WorkloadRequest,
+    make_request,
+)
+from prefixmesh.replica.model.profile import H100_LLAMA8B
+from tests.unit.loadtest.policies import LongestHit, RoundRobin
+
+PROFILE = replace(H100_LLAMA8B, kv_blocks=2048)  # small caches: evictions happen
+
+
+def run(
+    requests: list[WorkloadRequest], policy: object, replicas: int = 4, **options: object
+) -> SimResult:
+    config = SimConfig.uniform(PROFILE, replicas, **options)  # type: ignore[arg-type]
+    return ClusterSim(config, policy).run(requests)  # type: ignore[arg-type]
+
+
+def blog(count: int = 300, rate: float = 40.0) -> list[WorkloadRequest]:
+    return BlogWorkload(system_prompt_tokens=8192).generate(count, rate, seed=7)
+
+
+@pytest.mark.parametrize("policy", [RoundRobin, LongestHit])
+def test_every_request_finishes_and_work_is_conserved(policy: type) -> None:
+    requests = blog()
+    result = run(requests, policy())
+    assert len(result.outcomes) == len(requests)
+    for outcome in result.outcomes:
+        record = outcome.record
+        assert record.prefill_tokens + record.cached_tokens == record.prompt_tokens
+        assert record.arrival_s <= record.admitted_s <= record.first_token_s <= record.finish_s
+        assert not record.aborted
+    oracle = oracle_hits(requests, KeyBuilder(PROFILE.block_size))
+    metrics = compute_metrics(result, oracle)
+    assert metrics.requests == len(requests)
+    assert 0 < metrics.hit_rate <= metrics.oracle_hit_rate
+    assert metrics.redundant_prefill_tokens >= 0
+    assert metrics.ttft_p50_s <= metrics.ttft_p99_s and metrics.load_imbalance >= 1.0
+
+
+def test_same_inputs_same_results() -> None:
+    requests = blog()
+    first = run(requests, LongestHit())
+    second = run(requests, LongestHit())
+    assert [o.record for o in first.outcomes] == [o.record for o in second.outcomes]
+    assert first.busy_s == second.busy_s and first.events == second.events
+
+
+def test_one_big_replica_with_spaced_arrivals_reaches_the_oracle() -> None:
+    x, y, z = Segment(1, 64), Segment(2, 32), Segment(3, 16)
+    requests = [
+        make_request("a", 0.0, (x,), 2),
+        make_request("b", 10.0, (x, y), 2),
+        make_request("c", 20.0, (x, y, z), 2),
+        make_request("d", 30.0, (z,), 2),
+        make_request("e", 40.0, (x,), 2),
+    ]
+    oracle = oracle_hits(requests, KeyBuilder(16))
+    result = run(requests, RoundRobin(), replicas=1)
+    cached = {o.record.request_id: o.record.cached_tokens for o in result.outcomes}
+    assert cached == oracle.hit_tokens == {"a": 0, "b": 64, "c": 96, "d": 0, "e": 48}
+    assert compute_metrics(result, oracle).hit_rate == oracle.hit_rate
+
+
+def test_registry_sees_every_event_in_sequence() -> None:
+    sim = ClusterSim(SimConfig.uniform(PROFILE, 3, registry_lag_s=0.01), LongestHit())
+    sim.run(blog(100))
+    for replica in sim.replicas:
+        assert sim.registry.sequences[replica.replica_id].seq == replica.seq - 1
+    held = {
+        r.replica_id: len(sim.registry.replica_blocks.get(r.replica_id, ())) for r in sim.replicas
+    }
+    assert held == {r.replica_id: r.engine.cache.num_cached for r in sim.replicas}
+
+
+def test_holds_turn_a_burst_into_hits() -> None:
+    requests = BurstWorkload(burst_size=8, prefix_tokens=8192).generate(64, rate=2.0, seed=1)
+    oracle = oracle_hits(requests, KeyBuilder(PROFILE.block_size))
+    plain = compute_metrics(run(requests, LongestHit(), registry_lag_s=0.05), oracle)
+    held = compute_metrics(run(requests, LongestHit(hold_s=2.0), registry_lag_s=0.05), oracle)
+    assert held.held_requests > 0
+    assert held.redundant_prefill_tokens < plain.redundant_prefill_tokens
+    assert held.hit_rate > plain.hit_rate
+
+
+def test_follow_up_turns_arrive_after_their_parent_finishes() -> None:
+    requests = MultiturnWorkload().generate(60, rate=4.0, seed=3)
+    result = run(requests, LongestHit())
+    finished = {o.record.request_id: o.record for o in result.outcomes}
+    for request in requests:
+        if request.follows is not None:
+            parent = finished[request.follows]
+            assert finished[request.request_id].arrival_s == pytest.approx(
+                parent.finish_s + request.think_s
+            )
+    follow_ups = [finished[r.request_id] for r in requests if r.follows is not None]
+    assert sum(r.cached_tokens for r in follow_ups) > 0.5 * sum(r.prompt_tokens for r in follow_ups)
+
+
+def test_mixed_tensor_parallel_fleet() -> None:
+    config = SimConfig(PROFILE, (1, 2, 4))
+    result = ClusterSim(config, RoundRobin()).run(blog(90))
+    assert len(result.outcomes) == 90
+    assert result.busy_s[2] < result.busy_s[0]  # same requests, faster replica
