@@ -19,6 +19,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixmesh.router.policy.bench",
         "time of one routing decision per policy at 64 replicas",
     ),
+    "simulate": (
+        "prefixmesh.loadtest.simulate",
+        "compare routing policies on a simulated fleet (discrete events, no GPU)",
+    ),
 }
 
 
