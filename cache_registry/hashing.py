@@ -100,15 +100,26 @@ class BlockHasher:
         self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...] = ()
     ) -> PrefixKey:
         """The chained hashes of every full block of ``token_ids``."""
+        return PrefixKey(self.chain(None, token_ids, extra_keys), self.block_size)
+
+    def chain(
+        self,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        extra_keys: tuple[ExtraKey, ...] = (),
+    ) -> tuple[BlockHash, ...]:
+        """Hashes of the full blocks of ``token_ids``, continuing the chain after ``parent``
+        (``None``: from the root). Lets a replica hash the blocks an engine reports stored,
+        given the hash of the block before them."""
         size = self.block_size
         num_blocks = len(token_ids) // size
         data = tokens_to_bytes(token_ids[: num_blocks * size])
         stride = size * 4
-        parent = self._root(extra_keys)
+        previous = self._root(extra_keys) if parent is None else parent.to_bytes(8, "little")
         digest = self._digest
         hashes: list[BlockHash] = []
         for offset in range(0, num_blocks * stride, stride):
-            value = digest(parent + data[offset : offset + stride])
+            value = digest(previous + data[offset : offset + stride])
             hashes.append(BlockHash(value))
-            parent = value.to_bytes(8, "little")
-        return PrefixKey(tuple(hashes), size)
+            previous = value.to_bytes(8, "little")
+        return tuple(hashes)

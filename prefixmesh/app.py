@@ -1,0 +1,102 @@
+"""Builds the Ray Serve application: the ingress in front of N replicas, routed by our router.
+
+``build_app(config)`` for Python; ``app_builder`` for Serve configs
+(``import_path: prefixmesh.app:app_builder`` with ``args: {config: FILE, overrides: [...]}``).
+This module and the CLI are the two that may import every package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefixmesh.config import PrefixmeshConfig, load_config
+
+INGRESS_NAME = "Ingress"
+REPLICA_NAME = "Replica"
+
+
+def replica_env(config: PrefixmeshConfig) -> dict[str, str]:
+    """Environment of every replica process: loopback Ray, offline hub, no telemetry, vLLM's
+    caches under our cache folder."""
+    cache = Path(config.cache_dir).expanduser()
+    return {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+    }
+
+
+def resolve_model_path(config: PrefixmeshConfig) -> str:
+    if config.replica.model_path:
+        return config.replica.model_path
+    from prefixmesh.replica.demo_model import ensure_demo_model
+
+    cache = Path(config.cache_dir).expanduser()
+    return str(ensure_demo_model(cache / "models", config.replica.demo_model_size))
+
+
+def build_app(config: PrefixmeshConfig) -> Any:
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from prefixmesh.replica.deployment import ReplicaServer
+    from prefixmesh.router.ingress import IngressServer
+    from prefixmesh.router.serve_router import PrefixmeshRequestRouter
+
+    model_path = resolve_model_path(config)
+    config_json = config.model_dump_json()
+    env = replica_env(config)
+    replica = config.replica
+    replica_actor: dict[str, Any] = {
+        "num_cpus": replica.num_cpus,
+        "num_gpus": replica.num_gpus,
+        "runtime_env": {"env_vars": env},
+    }
+    placement: dict[str, Any] = {}
+    tp = replica.vllm.tensor_parallel_size
+    if replica.engine == "vllm" and tp > 1:
+        # One bundle per tensor-parallel worker, packed on one node (Ray Serve LLM's layout).
+        placement = {
+            "placement_group_bundles": [{"CPU": 1, "GPU": 1}] * tp,
+            "placement_group_strategy": "STRICT_PACK",
+        }
+        replica_actor.pop("num_gpus")
+    replicas = serve.deployment(
+        ReplicaServer,
+        name=REPLICA_NAME,
+        num_replicas=replica.num_replicas,
+        max_ongoing_requests=replica.max_ongoing_requests,
+        ray_actor_options=replica_actor,
+        request_router_config=RequestRouterConfig(
+            request_router_class=PrefixmeshRequestRouter,
+            request_router_kwargs={"config_json": config_json},
+            request_routing_stats_period_s=replica.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(1.0, replica.routing_stats_period_s),
+        ),
+        health_check_period_s=5.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=20.0,
+        **placement,
+    )
+    ingress = serve.deployment(
+        IngressServer,
+        name=INGRESS_NAME,
+        num_replicas=config.ingress.num_replicas,
+        max_ongoing_requests=config.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
+    )
+    return ingress.bind(
+        replicas.bind(config_json, model_path, INGRESS_NAME), config_json, model_path
+    )
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """Entry point for Serve config files: ``args: {config: path, overrides: [k=v, ...]}``."""
+    unknown = set(args) - {"config", "overrides"}
+    if unknown:
+        raise ValueError(f"unknown app args {sorted(unknown)}; use config and overrides")
+    return build_app(load_config(args.get("config"), args.get("overrides") or []))

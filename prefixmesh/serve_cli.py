@@ -1,0 +1,81 @@
+"""``prefixmesh serve``: start Ray on 127.0.0.1 (or join --address), deploy, print the URL,
+and shut everything down on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from prefixmesh.config import load_config
+
+
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML config (default: the embedded defaults)")
+    parser.add_argument("--address", help="join this Ray cluster instead of starting one")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override a config field",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str], prog: str = "serve") -> int:
+    args = parse_args(argv, prog)
+    overrides = list(args.overrides)
+    if args.address:
+        overrides.append(f"ray.address={args.address}")
+    config = load_config(args.config, overrides)
+    # Ray listens and dials on 127.0.0.1 only when every process has this (DESIGN.md §7);
+    # set before Ray is imported, inherited by everything it starts.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+    import ray
+    from ray import serve
+
+    from prefixmesh.app import build_app
+
+    if config.ray.address:
+        ray.init(address=config.ray.address, log_to_driver=False)
+    else:
+        ray.init(
+            include_dashboard=False,
+            num_cpus=config.ray.num_cpus,
+            _temp_dir=config.ray.temp_dir,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+        )
+    stop = threading.Event()
+    try:
+        serve.start(http_options={"host": config.ingress.host, "port": config.ingress.port})
+        print(
+            f"deploying {config.replica.num_replicas} {config.replica.engine} replicas ...",
+            flush=True,
+        )
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        url = f"http://{config.ingress.host}:{config.ingress.port}"
+        print(f"prefixmesh is serving {config.model!r} at {url}/v1 (Ctrl-C stops it)", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+    finally:
+        print("shutting down ...", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

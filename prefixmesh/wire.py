@@ -1,0 +1,52 @@
+"""What travels between the ingress (router/) and the replicas (replica/) through Ray Serve.
+
+Both packages import this module and never each other. The request router reads a
+``GenerateRequest`` as the first argument of a replica call and may set its ``hold``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSettings:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HoldInstruction:
+    """Wait, at most ``max_wait_s``, while another request on the replica is computing the
+    first ``num_blocks`` blocks of this one (delay-hit deferral)."""
+
+    num_blocks: int
+    max_wait_s: float
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    """The router's keys of the prompt's full blocks (what the replica publishes, too)."""
+    sampling: SamplingSettings
+    hold: HoldInstruction | None = None
+    """Set by the request router when it routes the request."""
+    routed_by: str = ""
+    """The routing decision's reason, for metrics."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateChunk:
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    replica_id: str = ""
+    held_s: float = 0.0
+    """Time the request waited in a delay-hit hold before entering the engine."""

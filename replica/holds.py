@@ -1,0 +1,67 @@
+"""Delay-hit holds inside a replica: wait for a prefix another request is computing here now.
+
+The router sends a request to the replica that is prefilling its prefix, with a ``Hold``. Before
+the request enters the engine, the replica checks its own table of requests in prefill: if one
+of them covers the first ``hold.num_blocks`` blocks, the request waits until that one's prefill
+finishes (its first token: the blocks are stored), at most ``hold.max_wait_s``; then it runs and
+hits the cache instead of computing the same blocks again in the same batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from prefixmesh.cache_registry.types import BlockHash
+
+
+@dataclass
+class _Prefill:
+    block_hashes: tuple[BlockHash, ...]
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class InflightPrefills:
+    def __init__(self) -> None:
+        self._prefills: dict[str, _Prefill] = {}
+        self.holds = 0
+        self.hold_timeouts = 0
+
+    def started(self, request_id: str, block_hashes: tuple[BlockHash, ...]) -> None:
+        self._prefills[request_id] = _Prefill(block_hashes)
+
+    def finished(self, request_id: str) -> None:
+        """The request's prefill is done (first token), or it ended without one."""
+        prefill = self._prefills.pop(request_id, None)
+        if prefill is not None:
+            prefill.done.set()
+
+    def covering(self, block_hashes: tuple[BlockHash, ...], num_blocks: int) -> _Prefill | None:
+        """A prefill in progress whose first ``num_blocks`` blocks equal this request's (the
+        chain makes equal hashes at position n-1 mean equal prefixes)."""
+        if num_blocks <= 0 or num_blocks > len(block_hashes):
+            return None
+        target = block_hashes[num_blocks - 1]
+        for prefill in self._prefills.values():
+            if len(prefill.block_hashes) >= num_blocks and (
+                prefill.block_hashes[num_blocks - 1] == target
+            ):
+                return prefill
+        return None
+
+    async def wait(
+        self, block_hashes: tuple[BlockHash, ...], num_blocks: int, max_wait_s: float
+    ) -> bool:
+        """Wait while another request computes these blocks here; True if it had to wait."""
+        prefill = self.covering(block_hashes, num_blocks)
+        if prefill is None:
+            return False
+        self.holds += 1
+        try:
+            await asyncio.wait_for(prefill.done.wait(), max_wait_s)
+        except TimeoutError:
+            self.hold_timeouts += 1
+        return True
+
+    def __len__(self) -> int:
+        return len(self._prefills)

@@ -1,0 +1,85 @@
+"""Translate vLLM's KV cache events into our block keys.
+
+vLLM hashes blocks its own way (and may salt them); its ``BlockStored`` events carry the
+stored blocks' token ids and the parent block's vLLM hash. We re-hash the token ids with our
+``BlockHasher``, continuing the chain from the parent's key, and keep a vLLM-hash -> our-hash
+map for the blocks the engine holds, so ``BlockRemoved`` can be translated too. The map is also
+the replica's exact view of what its engine holds (the resync snapshot).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from prefixmesh.cache_registry.hashing import BlockHasher
+from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
+from prefixmesh.replica.engines.base import BlockChange
+
+logger = logging.getLogger(__name__)
+
+_MEDIUM_TIERS = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "DISK": Tier.DISK}
+
+
+class VllmEventTranslator:
+    def __init__(self, hasher: BlockHasher) -> None:
+        self._hasher = hasher
+        self._ours: dict[Any, BlockHash] = {}
+        self.untranslatable = 0
+        """Stored blocks skipped because their parent was unknown (an event was lost)."""
+
+    def held_blocks(self) -> tuple[BlockHash, ...]:
+        return tuple(self._ours.values())
+
+    def translate(self, events: Iterable[Any]) -> list[BlockChange]:
+        changes: list[BlockChange] = []
+        for event in events:
+            kind = type(event).__name__
+            if kind == "BlockStored":
+                change = self._stored(event)
+            elif kind == "BlockRemoved":
+                change = self._removed(event)
+            elif kind == "AllBlocksCleared":
+                self._ours.clear()
+                change = BlockChange(EventKind.CLEARED, tier=None)
+            else:
+                logger.debug("ignoring KV event %s", kind)
+                continue
+            if change is not None:
+                changes.append(change)
+        return changes
+
+    def _stored(self, event: Any) -> BlockChange | None:
+        if event.block_size != self._hasher.block_size:
+            raise ValueError(
+                f"engine block size {event.block_size} != cache.block_size "
+                f"{self._hasher.block_size}: router keys would never match"
+            )
+        parent: BlockHash | None = None
+        if event.parent_block_hash is not None:
+            parent = self._ours.get(event.parent_block_hash)
+            if parent is None:
+                self.untranslatable += len(event.block_hashes)
+                return None
+        ours = self._hasher.chain(parent, event.token_ids)
+        if len(ours) != len(event.block_hashes):
+            logger.warning(
+                "BlockStored with %d hashes but %d full blocks of tokens",
+                len(event.block_hashes),
+                len(ours),
+            )
+            return None
+        for theirs, mine in zip(event.block_hashes, ours, strict=True):
+            self._ours[theirs] = mine
+        return BlockChange(EventKind.STORED, _MEDIUM_TIERS.get(event.medium, Tier.GPU), ours)
+
+    def _removed(self, event: Any) -> BlockChange | None:
+        ours = tuple(
+            mine
+            for theirs in event.block_hashes
+            if (mine := self._ours.pop(theirs, None)) is not None
+        )
+        if not ours:
+            return None
+        return BlockChange(EventKind.REMOVED, _MEDIUM_TIERS.get(event.medium, Tier.GPU), ours)

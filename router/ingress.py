@@ -1,0 +1,335 @@
+"""The ingress: the OpenAI-compatible HTTP API on Ray Serve (FastAPI).
+
+It validates, applies the chat template, tokenizes and hashes the prompt once, and hands token
+ids and block keys to the replicas through a handle whose request router is ours. In the
+in-process registry mode it also receives the replicas' cache events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from ray import serve
+
+from prefixmesh.cache_registry.factory import make_hasher, make_memory_state
+from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
+from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.router.generation import Generation, TextDelta
+from prefixmesh.router.local_state import local_state
+from prefixmesh.router.metrics import IngressMetrics
+from prefixmesh.router.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+)
+from prefixmesh.router.serve_router import TARGET_KWARG
+from prefixmesh.wire import GenerateRequest, SamplingSettings
+
+logger = logging.getLogger(__name__)
+api = FastAPI(title="prefixmesh", docs_url=None, redoc_url=None)
+REPLICA_HEADER = "x-prefixmesh-replica"
+
+
+def _error(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _brief(exc: BaseException) -> str:
+    """An exception as one line: Ray wraps remote errors with whole tracebacks."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+@serve.ingress(api)
+class IngressServer:
+    def __init__(self, replicas: Any, config_json: str, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = PrefixmeshConfig.model_validate_json(config_json)
+        config = self.config
+        self._replicas = replicas
+        self._tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._hasher = make_hasher(config)
+        self._local = local_state(config.app_name, lambda: make_memory_state(config))
+        self._metrics = IngressMetrics()
+        self._max_model_len = config.replica.vllm.max_model_len
+        self._created = int(time.time())
+
+    # ---- small endpoints -------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.config.model,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "prefixmesh",
+            "max_model_len": self._max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        with self._local.lock:
+            counters = self._local.counters
+            snapshot = (
+                counters.decisions,
+                counters.fallbacks,
+                counters.holds,
+                dict(counters.reasons),
+                len(self._local.ledger),
+            )
+        body = self._metrics.render(*snapshot)
+        return PlainTextResponse(body, media_type="text/plain; version=0.0.4")
+
+    # ---- generation ------------------------------------------------------------------------
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = parse_body(await request.body(), CompletionRequest)
+            self._check_model(body.model)
+            ids = await self._tokenize_prompt(body.prompt)
+            return await self._respond(body, ids, body.max_tokens, chat=False)
+        except APIError as exc:
+            self._metrics.error(exc.status)
+            return _error(exc)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = parse_body(await request.body(), ChatCompletionRequest)
+            self._check_model(body.model)
+            ids = await self._tokenize_chat(body)
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            return await self._respond(body, ids, max_tokens, chat=True)
+        except APIError as exc:
+            self._metrics.error(exc.status)
+            return _error(exc)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.config.model:
+            raise APIError(
+                404,
+                f"model {model!r} does not exist; this cluster serves {self.config.model!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            if any(not 0 <= t < len(self._tokenizer) for t in prompt):
+                raise APIError(422, "prompt token ids out of the vocabulary", param="prompt")
+            return list(prompt)
+        # Tokenizing a long prompt takes milliseconds of CPU: off the event loop.
+        return list(await asyncio.to_thread(lambda: self._tokenizer(prompt)["input_ids"]))
+
+    async def _tokenize_chat(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+
+        def render() -> list[int]:
+            ids = self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding (a UserDict)
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+
+        return await asyncio.to_thread(render)
+
+    async def _respond(
+        self, body: Any, ids: list[int], max_tokens: int | None, *, chat: bool
+    ) -> Response:
+        if not ids:
+            raise APIError(422, "the prompt is empty", param="prompt")
+        room = self._max_model_len - len(ids)
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            raise APIError(
+                413,
+                f"this model's maximum context length is {self._max_model_len} tokens; the "
+                f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}",
+                param="max_tokens" if room > 0 else "prompt",
+                code="context_length_exceeded",
+            )
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stop_ids = () if body.ignore_eos else (self._tokenizer.eos_token_id,)
+        sampling = SamplingSettings(
+            max_tokens=max_tokens if max_tokens is not None else room,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop_token_ids=tuple(t for t in stop_ids if t is not None),
+            ignore_eos=body.ignore_eos,
+        )
+        key = self._hasher.hash_tokens(ids)
+        generate = GenerateRequest(request_id, tuple(ids), key.block_hashes, sampling)
+        generation = self._start(generate, body.stop_strings())
+        try:
+            await generation.first()
+        except Exception as exc:
+            logger.exception("request %s failed before its first token", request_id)
+            raise APIError(
+                503, f"no replica could serve the request: {_brief(exc)}", error_type="server_error"
+            ) from None
+        self._metrics.first_token(generation)
+        headers = {REPLICA_HEADER: generation.replica_id}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = self._stream(generation, request_id, chat, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        text, finish = await self._collect(generation)
+        self._metrics.finished(generation)
+        return JSONResponse(
+            self._full_body(request_id, chat, text, finish, generation), headers=headers
+        )
+
+    def _start(self, request: GenerateRequest, stop: list[str]) -> Generation:
+        ledger, lock = self._local.ledger, self._local.lock
+
+        def first_token() -> None:
+            with lock:
+                ledger.first_token(request.request_id)
+
+        def end() -> None:
+            with lock:
+                ledger.finished(request.request_id)
+
+        stream = self._replicas.options(stream=True).generate.remote(request)
+        return Generation(
+            stream, self._decode, len(request.prompt_token_ids), stop, first_token, end
+        )
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+
+    async def _collect(self, generation: Generation) -> tuple[str, str]:
+        parts: list[str] = []
+        finish = "stop"
+        try:
+            async with asyncio.timeout(self.config.ingress.request_timeout_s):
+                async for delta in generation.deltas():
+                    parts.append(delta.text)
+                    finish = delta.finish_reason or finish
+        except Exception as exc:
+            if isinstance(exc, TimeoutError):
+                raise APIError(504, "the request timed out", error_type="server_error") from None
+            logger.exception("request failed mid-generation")
+            raise APIError(
+                502, f"the replica failed mid-generation: {_brief(exc)}", error_type="server_error"
+            ) from None
+        return "".join(parts), finish
+
+    async def _stream(
+        self, generation: Generation, request_id: str, chat: bool, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        base = {
+            "id": request_id,
+            "created": int(time.time()),
+            "model": self.config.model,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+        }
+        if chat:
+            yield _sse(
+                {
+                    **base,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+        try:
+            async for delta in generation.deltas():
+                yield _sse({**base, "choices": [self._choice_delta(delta, chat)]})
+        except Exception as exc:  # the replica died mid-stream: say so, then end the stream
+            logger.exception("stream %s failed", request_id)
+            error = APIError(
+                502, f"the replica failed mid-stream: {_brief(exc)}", error_type="server_error"
+            )
+            yield _sse(error.body())
+        else:
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": generation.usage.as_dict()})
+            self._metrics.finished(generation)
+        yield _sse("[DONE]")
+
+    @staticmethod
+    def _choice_delta(delta: TextDelta, chat: bool) -> dict[str, Any]:
+        if chat:
+            content = {"content": delta.text} if delta.text else {}
+            return {"index": 0, "delta": content, "finish_reason": delta.finish_reason}
+        return {
+            "index": 0,
+            "text": delta.text,
+            "logprobs": None,
+            "finish_reason": delta.finish_reason,
+        }
+
+    def _full_body(
+        self, request_id: str, chat: bool, text: str, finish: str, generation: Generation
+    ) -> dict[str, Any]:
+        base: dict[str, Any] = {
+            "id": request_id,
+            "created": int(time.time()),
+            "model": self.config.model,
+            "usage": generation.usage.as_dict(),
+        }
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+            }
+            return {**base, "object": "chat.completion", "choices": [choice]}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**base, "object": "text_completion", "choices": [choice]}
+
+    # ---- cluster plumbing ------------------------------------------------------------------
+
+    async def ingest_cache_events(self, events: list[CacheEvent]) -> list[PublishResult]:
+        """In-process registry mode: replicas send their cache events here."""
+        with self._local.lock:
+            return self._local.registry.publish(events)
+
+    @api.get("/admin/replicas")
+    async def replica_stats(self) -> list[dict[str, Any]]:
+        """Per-replica counters (prefix-cache tokens, holds, events), for tests and benchmarks."""
+        return await asyncio.gather(
+            *(self._replicas.stats.remote(**{TARGET_KWARG: r}) for r in self._known_replicas())
+        )
+
+    @api.post("/admin/reset_prefix_cache")
+    async def reset_prefix_cache(self) -> dict[str, Any]:
+        """Empty every replica's prefix cache (between benchmark runs)."""
+        results = await asyncio.gather(
+            *(
+                self._replicas.reset_prefix_cache.remote(**{TARGET_KWARG: r})
+                for r in self._known_replicas()
+            )
+        )
+        return {"reset": len(results), "ok": all(results)}
+
+    def _known_replicas(self) -> list[ReplicaId]:
+        with self._local.lock:
+            return sorted(self._local.replicas)

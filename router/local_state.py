@@ -1,0 +1,52 @@
+"""State the ingress shares with Ray Serve's copy of our request router in the same process.
+
+Serve builds the request router itself (from a pickled class) inside the ingress replica's
+process, and runs it on its own event loop thread; the ingress cannot hand it objects. The two
+meet here, by application name: the in-process registry (single-ingress mode), the load ledger
+and the replica ids the router has seen. This module is imported by reference in both, so it is
+the process-wide rendezvous; every access goes through the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prefixmesh.cache_registry.memory import RegistryState
+from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.router.ledger import LoadLedger
+
+
+@dataclass
+class RouterCounters:
+    decisions: int = 0
+    fallbacks: int = 0
+    """Decisions that fell back to power of two after an error."""
+    registry_timeouts: int = 0
+    holds: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class LocalRouterState:
+    registry: RegistryState
+    ledger: LoadLedger = field(default_factory=LoadLedger)
+    counters: RouterCounters = field(default_factory=RouterCounters)
+    replicas: set[ReplicaId] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_STATES: dict[str, LocalRouterState] = {}
+_STATES_LOCK = threading.Lock()
+
+
+def local_state(
+    app_name: str, registry_factory: Callable[[], RegistryState] = RegistryState
+) -> LocalRouterState:
+    """The one state of ``app_name`` in this process, created on first use."""
+    with _STATES_LOCK:
+        state = _STATES.get(app_name)
+        if state is None:
+            state = _STATES[app_name] = LocalRouterState(registry_factory())
+        return state

@@ -1,0 +1,122 @@
+"""The OpenAI API surface the ingress accepts: request models, and errors as OpenAI JSON.
+
+Status codes: malformed JSON 400; a missing, wrong-typed or out-of-range field 422 (with
+``param`` naming it); an option we do not support (n > 1, logprobs, echo) 400; an unknown model
+404; a prompt that does not fit the context 413. Unknown extra fields are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    model: str
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    """vLLM's extension: keep generating past the end-of-text token (load tests)."""
+    logprobs: Any = None
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def parse_body(raw: bytes, model: type[_Request]) -> Any:
+    """JSON bytes -> a validated request, or an ``APIError`` (400 or 422)."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        # The top-level field: deeper parts name union members ("prompt.str"), not fields.
+        param = str(first["loc"][0]) if first["loc"] else None
+        raise APIError(422, f"{param}: {first['msg']}", param=param) from None
+    if request.n != 1:
+        raise APIError(400, "only n=1 is supported", param="n")
+    if request.logprobs not in (None, False, 0):
+        raise APIError(400, "logprobs are not supported", param="logprobs")
+    if isinstance(request, CompletionRequest) and request.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    return request
