@@ -68,8 +68,10 @@ def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any)
         )
         return VllmEngine(settings, hasher, sink)
     from prefixmesh.replica.engines.sim_engine import SimEngine
+    from prefixmesh.replica.model.profile import get_profile
 
-    return SimEngine(config, sink)
+    sim = config.replica.sim
+    return SimEngine(get_profile(sim.profile), hasher, sink, time_scale=sim.time_scale)
 
 
 def _no_gpu() -> bool:

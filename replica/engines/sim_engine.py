@@ -1,0 +1,191 @@
+"""The sim engine: the cluster simulator's engine model run in real time.
+
+A replica with no model and no accelerator that still batches, caches prefixes, evicts, holds
+and streams with the timing of a named profile, so a 16-replica cluster runs on two cores for
+routing experiments. The same ``EngineModel`` drives the discrete-event simulator; here an
+asyncio task advances it on the wall clock (scaled by ``time_scale``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from prefixmesh.cache_registry.hashing import BlockHasher
+from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
+from prefixmesh.replica.engines.base import (
+    BlockChange,
+    CacheChangeSink,
+    EngineChunk,
+    EngineLoad,
+    EngineRequest,
+)
+from prefixmesh.replica.model.engine import CacheChanged, EngineModel, Finished, FirstToken
+from prefixmesh.replica.model.engine import EngineRequest as ModelRequest
+from prefixmesh.replica.model.profile import EngineProfile
+
+# Output token ids are placeholders: ordinary ids of any BPE vocabulary, cycled.
+_FIRST_TOKEN_ID = 100
+_TOKEN_ID_SPAN = 100
+
+
+@dataclass
+class _Stream:
+    first: asyncio.Event = field(default_factory=asyncio.Event)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: bool = False
+    aborted: bool = False
+    output_tokens: int = 0
+
+
+class SimEngine:
+    def __init__(
+        self,
+        profile: EngineProfile,
+        hasher: BlockHasher,
+        sink: CacheChangeSink,
+        *,
+        tp_degree: int = 1,
+        time_scale: float = 1.0,
+    ) -> None:
+        if profile.block_size != hasher.block_size:
+            raise ValueError(
+                f"profile {profile.name} has block size {profile.block_size}, but "
+                f"cache.block_size is {hasher.block_size}: router keys would never match"
+            )
+        self.profile = profile
+        self.model = EngineModel(profile, tp_degree)
+        self.kv_blocks = self.model.cache.capacity_blocks
+        self._hasher = hasher
+        self._sink = sink
+        self._scale = time_scale
+        self._t0 = time.monotonic()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._driver: asyncio.Task[None] | None = None
+        self._queries = 0
+        self._hits = 0
+
+    def _now(self) -> float:
+        """Model time: wall seconds since start, divided by the time scale."""
+        return (time.monotonic() - self._t0) / self._scale
+
+    async def start(self) -> None:
+        self._driver = asyncio.get_running_loop().create_task(self._drive())
+
+    async def _drive(self) -> None:
+        while True:
+            next_s = self.model.next_event_s()
+            timeout = None if next_s is None else max(0.0, (next_s - self._now()) * self._scale)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._handle(self.model.advance(self._now()))
+
+    def _handle(self, events: list[CacheChanged | FirstToken | Finished]) -> None:
+        changes: list[BlockChange] = []
+        for event in events:
+            if isinstance(event, CacheChanged):
+                changes += [BlockChange(c.kind, c.tier, c.block_hashes) for c in event.changes]
+            elif isinstance(event, FirstToken):
+                stream = self._streams.get(event.request_id)
+                if stream is not None:
+                    stream.first.set()
+            else:
+                record = event.record
+                self._queries += record.prompt_tokens
+                self._hits += record.cached_tokens
+                stream = self._streams.get(record.request_id)
+                if stream is not None:
+                    stream.finished = True
+                    stream.aborted = record.aborted
+                    stream.first.set()
+                    stream.progress.set()
+        if changes:
+            self._sink(changes)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        rid = request.request_id
+        key = self._hasher.hash_tokens(request.prompt_token_ids)
+        output_tokens = max(1, request.sampling.max_tokens)
+        stream = self._streams[rid] = _Stream(output_tokens=output_tokens)
+        self.model.submit(ModelRequest(rid, key, len(request.prompt_token_ids), output_tokens),
+                          self._now())
+        self._wake.set()
+        sent = 0
+        try:
+            await stream.first.wait()
+            if stream.aborted:
+                yield EngineChunk((), finished=True, finish_reason="abort")
+                return
+            record = self.model.record(rid)
+            cached = record.cached_tokens if record is not None else 0
+            decode_wait_s = self.model.profile.step_overhead_s * self._scale
+            while True:
+                produced = output_tokens if stream.finished else (
+                    self.model.generated_tokens(rid, self._now())
+                )
+                if produced > sent or stream.finished:
+                    ids = tuple(_FIRST_TOKEN_ID + (sent + i) % _TOKEN_ID_SPAN
+                                for i in range(produced - sent))
+                    yield EngineChunk(ids, stream.finished, "length" if stream.finished else None,
+                                      cached)
+                    sent = produced
+                if stream.finished:
+                    return
+                stream.progress.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stream.progress.wait(), decode_wait_s)
+        finally:
+            if not stream.finished:
+                self.model.abort(rid, self._now())
+                self._wake.set()
+            self._streams.pop(rid, None)
+
+    async def abort(self, request_id: str) -> None:
+        self.model.abort(request_id, self._now())
+        self._wake.set()
+
+    def capacity(self) -> dict[str, float]:
+        profile, tp = self.profile, self.model.tp_degree
+        return {
+            "prefill_tokens_per_s": profile.prefill_tokens_per_s(tp),
+            "decode_step_s": profile.decode_step_s(1, 0, tp),
+            "max_batch_tokens": profile.max_batch_tokens,
+            "kv_blocks": self.kv_blocks,
+            "tp_degree": tp,
+            "cpu_load_s_per_block": profile.cpu_load_s_per_block,
+        }
+
+    def load(self) -> EngineLoad:
+        load = self.model.load()
+        return EngineLoad(
+            waiting_requests=load.queued_requests,
+            running_requests=load.running_requests,
+            kv_usage=load.active_kv_blocks / max(1, self.kv_blocks),
+            prefix_cache_queries_tokens=self._queries,
+            prefix_cache_hit_tokens=self._hits,
+        )
+
+    def held_blocks(self) -> tuple[BlockHash, ...]:
+        return tuple(self.model.cache.cached_blocks())
+
+    async def reset_prefix_cache(self) -> bool:
+        removed = self.model.cache.clear_evictable()
+        if removed:
+            self._sink([BlockChange(EventKind.REMOVED, Tier.GPU, tuple(removed))])
+        return True
+
+    def close(self) -> None:
+        if self._driver is not None:
+            self._driver.cancel()
+
+    async def shutdown(self) -> None:
+        if self._driver is not None:
+            self._driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._driver
+            self._driver = None

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prefixmesh.cache_registry.hashing import BlockHasher
+from prefixmesh.cache_registry.memory import RegistryState
+from prefixmesh.cache_registry.types import (
+    BlockHash,
+    CacheEvent,
+    EventKind,
+    PublishResult,
+    ReplicaId,
+    Tier,
+)
+from prefixmesh.replica.engines.base import BlockChange
+from prefixmesh.replica.publisher import EventPublisher
+
+R = ReplicaId("r")
+KEY = BlockHasher(2, "m").hash_tokens(list(range(8)))
+H = KEY.block_hashes
+
+
+class FlakyTarget:
+    """A registry (the real in-process state) behind a link that can drop batches."""
+
+    def __init__(self) -> None:
+        self.state = RegistryState()
+        self.drop_next = 0
+        self.batches: list[list[CacheEvent]] = []
+
+    async def publish(self, events: Sequence[CacheEvent]) -> list[PublishResult]:
+        if self.drop_next:
+            self.drop_next -= 1
+            return [PublishResult(R, 0, failed=True)]
+        self.batches.append(list(events))
+        return self.state.publish(events)
+
+
+def held(target: FlakyTarget) -> int:
+    hit = target.state.lookup(KEY, [R]).get(R)
+    return 0 if hit is None else hit.num_blocks
+
+
+async def test_changes_are_numbered_and_batched() -> None:
+    target = FlakyTarget()
+    publisher = EventPublisher(R, target, lambda: H, max_batch_events=2)
+    publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:2]),
+                      BlockChange(EventKind.STORED, Tier.GPU, H[2:3]),
+                      BlockChange(EventKind.REMOVED, Tier.GPU, H[2:3])])
+    await publisher.flush()
+    assert [[e.seq for e in batch] for batch in target.batches] == [[0, 1], [2]]
+    assert {e.epoch for batch in target.batches for e in batch} == {publisher.epoch}
+    assert held(target) == 2
+    assert publisher.published_events == 3
+
+
+async def test_a_lost_batch_triggers_a_snapshot_in_a_new_epoch() -> None:
+    target = FlakyTarget()
+    holding: list[BlockHash] = list(H[:4])
+    publisher = EventPublisher(R, target, lambda: tuple(holding))
+    publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:2])])
+    await publisher.flush()
+    first_epoch = publisher.epoch
+    target.drop_next = 1
+    publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[2:4])])
+    await publisher.flush()  # lost: the publisher notices and will resync
+    assert held(target) == 2
+    await publisher.flush()
+    assert publisher.epoch > first_epoch and publisher.resyncs == 1
+    snapshot = target.batches[-1][0]
+    assert (snapshot.seq, snapshot.kind, snapshot.block_hashes) == (0, EventKind.STORED, H[:4])
+    assert held(target) == 4
+
+
+async def test_a_gap_reported_by_the_registry_triggers_a_resync() -> None:
+    target = FlakyTarget()
+    publisher = EventPublisher(R, target, lambda: H[:3])
+    publisher._next_seq = 5  # as if events 0..4 had been lost on the way
+    publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:1])])
+    await publisher.flush()
+    await publisher.flush()
+    assert publisher.resyncs == 1
+    assert held(target) == 3

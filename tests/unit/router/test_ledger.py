@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.router.ledger import LedgerLoad, LoadLedger
+
+A, B = ReplicaId("a"), ReplicaId("b")
+
+
+def test_a_request_moves_from_queued_to_running_to_gone() -> None:
+    ledger = LoadLedger()
+    assert ledger.routed("r1", A, 300)
+    assert ledger.routed("r2", A, 100)
+    assert ledger.routed("r3", B, 50)
+    assert ledger.load() == {A: LedgerLoad(2, 0, 400), B: LedgerLoad(1, 0, 50)}
+    ledger.first_token("r1")
+    assert ledger.load()[A] == LedgerLoad(1, 1, 100)
+    ledger.finished("r1")
+    ledger.finished("r2")
+    assert ledger.load() == {B: LedgerLoad(1, 0, 50)}
+    assert len(ledger) == 1
+
+
+def test_a_retried_decision_moves_the_request() -> None:
+    ledger = LoadLedger()
+    ledger.routed("r1", A, 300)
+    assert not ledger.routed("r1", B, 200)
+    assert ledger.load() == {B: LedgerLoad(1, 0, 200)}
+    assert ledger.replica_of("r1") == B
+
+
+def test_unknown_ids_and_dead_replicas() -> None:
+    ledger = LoadLedger()
+    ledger.first_token("nope")
+    ledger.finished("nope")
+    ledger.routed("r1", A, 10)
+    ledger.routed("r2", B, 10)
+    ledger.forget_replica(A)
+    assert ledger.load() == {B: LedgerLoad(1, 0, 10)}
+    assert ledger.replica_of("r1") is None
