@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.config import PrefixmeshConfig, load_config, merge_overrides
 
 INGRESS_NAME = "Ingress"
 REPLICA_NAME = "Replica"
@@ -60,8 +60,10 @@ def build_app(config: PrefixmeshConfig) -> Any:
     tp = replica.vllm.tensor_parallel_size
     if replica.engine == "vllm" and tp > 1:
         # One bundle per tensor-parallel worker, packed on one node (Ray Serve LLM's layout).
+        # The replica actor sits in the first bundle, so that one carries its CPUs.
+        first = {"CPU": max(1.0, replica.num_cpus), "GPU": 1}
         placement = {
-            "placement_group_bundles": [{"CPU": 1, "GPU": 1}] * tp,
+            "placement_group_bundles": [first] + [{"CPU": 1, "GPU": 1}] * (tp - 1),
             "placement_group_strategy": "STRICT_PACK",
         }
         replica_actor.pop("num_gpus")
@@ -95,8 +97,11 @@ def build_app(config: PrefixmeshConfig) -> Any:
 
 
 def app_builder(args: dict[str, Any]) -> Any:
-    """Entry point for Serve config files: ``args: {config: path, overrides: [k=v, ...]}``."""
-    unknown = set(args) - {"config", "overrides"}
+    """Entry point for Serve config files. ``args``: ``config`` (a YAML file on the node that
+    builds the app), ``settings`` (a mapping in the same shape, applied over it) and
+    ``overrides`` (``section.field=value`` lines, applied last)."""
+    unknown = set(args) - {"config", "settings", "overrides"}
     if unknown:
-        raise ValueError(f"unknown app args {sorted(unknown)}; use config and overrides")
-    return build_app(load_config(args.get("config"), args.get("overrides") or []))
+        raise ValueError(f"unknown app args {sorted(unknown)}; use config, settings, overrides")
+    layered = merge_overrides(args.get("settings") or {}, args.get("overrides") or [])
+    return build_app(load_config(args.get("config"), layered))

@@ -144,6 +144,13 @@ class PrefixmeshPolicyConfig(_Section):
     """Extra cost per second of prefill a replica must compute, on top of the TTFT estimate:
     recomputed work delays every request queued behind it, roughly utilization-many of them,
     so ~0.5 keeps a holder preferred unless it is clearly busier (0 = pure TTFT)."""
+    pressure_wait_s: float = Field(default=1.0, gt=0)
+    """The recompute penalty grows by 1 for every this many seconds of queue on the least-loaded
+    candidate: once every replica is backlogged, recomputing a prefix only lengthens the
+    backlog, and a greedy TTFT choice spirals into recomputing everything."""
+    overload_wait_rel: float = Field(default=1.5, ge=1)
+    """The guard also needs the queue wait above this multiple of the least-loaded one's
+    (SGLang's balance_rel_threshold): a uniformly backlogged fleet keeps its affinity."""
     decode_batch_size: int = Field(default=32, ge=1)
     """Requests sharing one decode step on a busy replica: a generated token costs
     decode_step_s / this of busy time when sizing affinity groups (tune per engine)."""
@@ -299,6 +306,14 @@ def parse_override(text: str) -> dict[str, Any]:
     return value  # type: ignore[no-any-return]
 
 
+def merge_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """``data`` with each ``section.field=value`` override applied."""
+    merged = dict(data)
+    for text in overrides:
+        merged = _merge(merged, parse_override(text))
+    return merged
+
+
 def load_config(
     path: str | Path | None = None, overrides: Sequence[str] | Mapping[str, Any] = ()
 ) -> PrefixmeshConfig:
@@ -313,6 +328,5 @@ def load_config(
     if isinstance(overrides, Mapping):
         data = _merge(data, overrides)
     else:
-        for text in overrides:
-            data = _merge(data, parse_override(text))
+        data = merge_overrides(data, overrides)
     return PrefixmeshConfig.model_validate(data)

@@ -34,6 +34,9 @@ def main(argv: list[str], prog: str = "serve") -> int:
     if args.address:
         overrides.append(f"ray.address={args.address}")
     config = load_config(args.config, overrides)
+    if args.detach and not config.ray.address:
+        print(f"{prog}: --detach needs a cluster to leave the app on (--address)", file=sys.stderr)
+        return 2
     # Ray listens and dials on 127.0.0.1 only when every process has this (DESIGN.md §7);
     # set before Ray is imported, inherited by everything it starts.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -54,7 +57,6 @@ def main(argv: list[str], prog: str = "serve") -> int:
             _node_ip_address="127.0.0.1",
             log_to_driver=False,
         )
-    stop = threading.Event()
     try:
         serve.start(http_options={"host": config.ingress.host, "port": config.ingress.port})
         print(
@@ -63,18 +65,26 @@ def main(argv: list[str], prog: str = "serve") -> int:
         )
         serve.run(build_app(config), name=config.app_name, route_prefix="/")
         url = f"http://{config.ingress.host}:{config.ingress.port}"
+        if args.detach:  # the app stays on the cluster; `serve shutdown` removes it
+            print(f"prefixmesh is serving {config.model!r} at {url}/v1", flush=True)
+            return 0
         print(f"prefixmesh is serving {config.model!r} at {url}/v1 (Ctrl-C stops it)", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
-            while not stop.wait(1.0):
-                pass
-        except KeyboardInterrupt:
-            pass
-    finally:
+        _wait_for_stop()
         print("shutting down ...", flush=True)
         serve.shutdown()
+    finally:
         ray.shutdown()
     return 0
+
+
+def _wait_for_stop() -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
 
 
 if __name__ == "__main__":
