@@ -112,8 +112,9 @@ class SimEngine:
         key = self._hasher.hash_tokens(request.prompt_token_ids)
         output_tokens = max(1, request.sampling.max_tokens)
         stream = self._streams[rid] = _Stream(output_tokens=output_tokens)
-        self.model.submit(ModelRequest(rid, key, len(request.prompt_token_ids), output_tokens),
-                          self._now())
+        self.model.submit(
+            ModelRequest(rid, key, len(request.prompt_token_ids), output_tokens), self._now()
+        )
         self._wake.set()
         sent = 0
         try:
@@ -125,14 +126,19 @@ class SimEngine:
             cached = record.cached_tokens if record is not None else 0
             decode_wait_s = self.model.profile.step_overhead_s * self._scale
             while True:
-                produced = output_tokens if stream.finished else (
-                    self.model.generated_tokens(rid, self._now())
+                produced = (
+                    output_tokens
+                    if stream.finished
+                    else (self.model.generated_tokens(rid, self._now()))
                 )
                 if produced > sent or stream.finished:
-                    ids = tuple(_FIRST_TOKEN_ID + (sent + i) % _TOKEN_ID_SPAN
-                                for i in range(produced - sent))
-                    yield EngineChunk(ids, stream.finished, "length" if stream.finished else None,
-                                      cached)
+                    ids = tuple(
+                        _FIRST_TOKEN_ID + (sent + i) % _TOKEN_ID_SPAN
+                        for i in range(produced - sent)
+                    )
+                    yield EngineChunk(
+                        ids, stream.finished, "length" if stream.finished else None, cached
+                    )
                     sent = produced
                 if stream.finished:
                     return

@@ -290,6 +290,11 @@ class EngineModel:
             )
         return self._load
 
+    def record(self, request_id: str) -> RequestRecord | None:
+        """What is known so far about a request still on this engine (None once finished)."""
+        req = self._requests.get(request_id)
+        return None if req is None else req.record
+
     def generated_tokens(self, request_id: str, now_s: float) -> int:
         """Output tokens a running request has produced by ``now_s`` (for streaming)."""
         req = self._requests.get(request_id)

@@ -101,6 +101,21 @@ class PrefixCache:
         """CPU-tier blocks, least recently used first."""
         return list(self._cpu)
 
+    def cached_blocks(self) -> list[BlockHash]:
+        """Every engine-tier block with a hash (referenced or evictable)."""
+        return list(self._refs)
+
+    def clear_evictable(self) -> list[BlockHash]:
+        """Drop every unreferenced engine-tier block (a prefix-cache reset; running requests
+        keep theirs, as vLLM's reset does); returns them, recorded as removed."""
+        dropped = list(self._evictable)
+        for block in dropped:
+            del self._refs[block]
+        self._evictable.clear()
+        if dropped:
+            self._changes.append(CacheChange(EventKind.REMOVED, Tier.GPU, tuple(dropped)))
+        return dropped
+
     def holds(self, block: BlockHash) -> Tier | None:
         """The fastest tier holding ``block`` (None when neither does)."""
         if block in self._refs:

@@ -146,3 +146,19 @@ def test_changes_become_sequence_numbered_events() -> None:
         CacheEvent(EventKind.STORED, replica, 5, 3, Tier.GPU, (1, 2)),
         CacheEvent(EventKind.REMOVED, replica, 6, 3, Tier.GPU, (1,)),
     ]
+
+
+def test_cached_blocks_and_clearing_the_evictable_ones() -> None:
+    cache = PrefixCache(capacity_blocks=8)
+    a, b = (BlockHash(1), BlockHash(2)), (BlockHash(3),)
+    assert cache.acquire(a, 0, 2) and cache.acquire(b, 0, 1)
+    cache.store(a)
+    cache.store(b)
+    cache.release(a, 0)  # a is evictable now, b is still referenced
+    cache.take_changes()
+    assert sorted(cache.cached_blocks()) == [1, 2, 3]
+    assert sorted(cache.clear_evictable()) == [1, 2]
+    assert cache.cached_blocks() == [BlockHash(3)]
+    [change] = cache.take_changes()
+    assert (change.kind, change.tier) == (EventKind.REMOVED, Tier.GPU)
+    assert sorted(change.block_hashes) == [1, 2]
