@@ -14,6 +14,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import xxhash
 
@@ -78,7 +79,7 @@ class KeyBuilder:
                 parts.append(hashes)
         if len(parts) == 1:
             return PrefixKey(parts[0], self.block_size)
-        return PrefixKey(tuple(h for part in parts for h in part), self.block_size)
+        return PrefixKey(tuple(chain.from_iterable(parts)), self.block_size)
 
     def _expand(
         self, parent: int, pending: tuple[tuple[int, int, int], ...], segment: Segment

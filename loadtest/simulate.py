@@ -100,7 +100,14 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write TTFT charts here (PNG)")
-    return parser.parse_args(list(argv))
+    args = parser.parse_args(list(argv))
+    for name in ("replicas", "rate", "load", "requests", "duration"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name} must be > 0")
+    if args.registry_lag_s < 0 or args.cpu_blocks < 0:
+        parser.error("--registry-lag-s and --cpu-blocks must be >= 0")
+    return args
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,12 +224,13 @@ def run_policy(
         hotness_half_life_s=config.registry.hotness_half_life_s,
         max_holders_per_block=config.registry.max_holders_per_block,
     )
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     result = ClusterSim(sim_config, policy).run(scenario.requests)
     wall_s = time.perf_counter() - started
+    cpu_s = time.process_time() - cpu_started
     metrics = compute_metrics(result, scenario.oracle)
     ttfts = [o.record.ttft_s or 0.0 for o in result.outcomes]
-    return metrics, ttfts, {"wall_s": wall_s, "sim_events": float(result.events)}
+    return metrics, ttfts, {"wall_s": wall_s, "cpu_s": cpu_s, "sim_events": float(result.events)}
 
 
 def _default_factory() -> PolicyFactory:

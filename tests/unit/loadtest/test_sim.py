@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +120,33 @@ def test_mixed_tensor_parallel_fleet() -> None:
     result = ClusterSim(config, RoundRobin()).run(blog(90))
     assert len(result.outcomes) == 90
     assert result.busy_s[2] < result.busy_s[0]  # same requests, faster replica
+
+
+_DIGEST_SCRIPT = """
+from dataclasses import replace
+from prefixmesh.loadtest.sim import ClusterSim, SimConfig
+from prefixmesh.loadtest.workloads import BlogWorkload
+from prefixmesh.replica.model.profile import H100_LLAMA8B
+from tests.unit.loadtest.policies import LongestHit
+requests = BlogWorkload(system_prompt_tokens=8192).generate(200, 40.0, seed=7)
+config = SimConfig.uniform(replace(H100_LLAMA8B, kv_blocks=2048), 4)
+result = ClusterSim(config, LongestHit()).run(requests)
+print([(o.replica, o.record.first_token_s, o.record.cached_tokens) for o in result.outcomes])
+"""
+
+
+def test_results_do_not_depend_on_string_hash_seeds() -> None:
+    """Same inputs in another process (another PYTHONHASHSEED) give the same run."""
+    root = Path(__file__).resolve().parents[3]
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", _DIGEST_SCRIPT],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=root,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    ]
+    assert outputs[0] == outputs[1] and len(outputs[0]) > 1000

@@ -78,3 +78,5 @@ def test_bad_arguments_exit() -> None:
         simulate.main(["--workload", "blog", "--policies", "nope"])
     with pytest.raises(SystemExit):
         simulate.main(["--workload", "blog", "--trace", "x.jsonl"])
+    with pytest.raises(SystemExit):
+        simulate.main(["--workload", "blog", "--load", "0"])
