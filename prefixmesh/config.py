@@ -122,6 +122,10 @@ class PrefixmeshPolicyConfig(_Section):
     """Replicas within this fraction of the best estimated TTFT count as ties ..."""
     near_best_abs_s: float = Field(default=0.002, ge=0)
     """... or within this many seconds; one tie is picked at random (no herding)."""
+    affinity_slack_s: float = Field(default=0.01, ge=0)
+    """A hot group's request also spills off its members when the best member's estimate is
+    this much worse than the best replica's (recompute included): members busy with other
+    work must not queue the group. Infinite: spill only when the guard rejects every member."""
     affinity_hysteresis: float = Field(default=0.25, ge=0)
     """A hot group shrinks from k replicas only once k - 1 would still cover its traffic with
     this much headroom (grows at once): a rate hovering at a boundary does not flap k."""

@@ -34,6 +34,10 @@ class ReplicaCapacity:
     cpu_load_s_per_block: float = 0.0
     """Time to bring one block back from its CPU tier (0 when it has none)."""
     disk_load_s_per_block: float = 0.0
+    kv_read_s_per_block: float = 0.0
+    """Step time added per KV block its running requests hold: decode attention reads every
+    one of them each step (KV bytes per block / memory bandwidth). 0 when unknown: then a busy
+    replica's decode steps are estimated from its running requests' compute alone."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,22 +4,26 @@ groups for hot prefixes, delay-hit holds, and a randomised pick among near-best 
 One decision, in order:
 
 1. Estimate every candidate (``ttft.py``): queue wait, TTFT and cost = TTFT + a penalty on the
-   prefill the replica would recompute (recomputed work delays everything queued behind it).
+   prefill the replica would recompute (recomputed work delays everything queued behind it,
+   the more so the longer the queues: the penalty grows with the least-loaded replica's wait).
 2. Overload guard, per candidate: a replica whose queue wait exceeds the least-loaded
-   candidate's by more than ``overload_wait_s`` is skipped. Nothing is switched off fleet-wide:
+   candidate's by more than ``overload_wait_s`` (and ``overload_wait_rel`` times, so that a
+   fleet-wide backlog does not force recomputes) is skipped. Nothing is switched off fleet-wide:
    one hot replica loses only its own excess traffic (vllm-project/router#238), and a request
    pushed off its holder still goes where the estimate is best among the rest, which favours
    the longest remaining match because held blocks cost no prefill (sgl-project/sglang#32195:
    rebalancing must not discard affinity).
 3. Delay-hit deferral: if a candidate holds the prompt speculatively (the router just sent a
    request with this prefix there, whose prefill is probably running now), at least
-   ``hold_min_tokens`` beyond anything confirmed anywhere, and the guard keeps it, the request
-   goes there with a ``Hold``: the replica waits for those blocks instead of computing them a
-   second time in the same batch, or a third time elsewhere.
+   ``hold_min_tokens`` beyond anything confirmed anywhere, the guard keeps it and its estimate
+   is near-best, the request goes there with a ``Hold``: the replica waits for those blocks
+   instead of computing them a second time in the same batch. (Near-best: a burst of siblings
+   must not queue on one replica while computing the prefix elsewhere would be faster.)
 4. Affinity groups (``affinity.py``): a hot group (k >= 2) is served by its k replicas on a
-   consistent-hash ring of the current fleet; it spills outside only when the guard rejects all
-   k. A cold group (k == 1) is not pinned: pinning every cold prefix to a ring replica is prefix
-   hashing again, with its hot spots. The estimate alone keeps a cold prefix on its holder.
+   consistent-hash ring of the current fleet; it spills outside when the guard rejects all k,
+   or when even its best member is ``affinity_slack_s`` dearer than the best replica. A cold
+   group (k == 1) is not pinned: pinning every cold prefix to a ring replica is prefix hashing
+   again, with its hot spots. The estimate alone keeps a cold prefix on its holder.
 5. Pick at random among candidates within ``near_best_rel`` / ``near_best_abs_s`` of the best
    cost, so routers working from the same stale load report do not all pick one replica
    (ai-dynamo/dynamo#589). The ranking then lists the other candidates by cost; replicas that
@@ -79,7 +83,6 @@ class PrefixmeshPolicy:
             min_prefill_share=config.min_prefill_share,
             cpu_fallback_credit=config.cpu_fallback_credit,
             disk_fallback_credit=config.disk_fallback_credit,
-            recompute_penalty=config.recompute_penalty,
         )
         self.groups = AffinityGroups(
             target_utilization=config.affinity_target_utilization,
@@ -144,26 +147,41 @@ class PrefixmeshPolicy:
             self._reference = fleet_reference(replicas)
         self._decisions += 1
         estimates = self.model.estimate(request, replicas, view.hits)
-        # The guard: a replica may take the request iff its queue wait is within
-        # ``overload_wait_s`` of the least-loaded candidate's (NaN in a report: guard nothing).
-        limit = min(estimates.queue_wait_s) + self.config.overload_wait_s
-        if limit != limit:
-            limit = math.inf
-        candidates, reason = self._candidates(request, replicas, view, estimates, limit)
+        config = self.config
+        least_wait = min(estimates.queue_wait_s)
+        if least_wait != least_wait:  # NaN in a report: guard nothing, price nothing extra
+            least_wait, limit = 0.0, math.inf
+        else:
+            # The guard: a replica is overloaded iff its queue wait exceeds the least-loaded
+            # candidate's by overload_wait_s AND by the factor overload_wait_rel (SGLang's two
+            # thresholds): under a fleet-wide backlog a holder a little further behind keeps
+            # its traffic, instead of forcing recomputes that deepen the backlog everywhere.
+            limit = max(least_wait + config.overload_wait_s, least_wait * config.overload_wait_rel)
+        # Recomputing costs its busy time to everyone queued behind it. While some replica is
+        # idle that is a fraction of a request (recompute_penalty); once even the least-loaded
+        # replica has a queue, every second recomputed is paid by a queue of requests, so the
+        # price grows with that queue and affinity wins over a slightly shorter wait.
+        penalty = config.recompute_penalty + least_wait / config.pressure_wait_s
+        cost = [
+            ttft + penalty * work
+            for ttft, work in zip(estimates.ttft_s, estimates.work_s, strict=True)
+        ]
+        candidates, reason = self._candidates(request, replicas, view, estimates, cost, limit)
         if not candidates:  # every wait NaN: nothing to compare, anyone will do
             candidates = list(range(len(replicas)))
-        cost = estimates.cost
         order = sorted(candidates, key=cost.__getitem__)  # ties keep candidate order
+        best = cost[order[0]]
+        near_bound = best + abs(best) * config.near_best_rel + config.near_best_abs_s
         held = None
-        if estimates.any_speculative and self.config.holds_enabled:
-            held = self._hold_candidate(request, estimates, limit)
+        if estimates.any_speculative and config.holds_enabled:
+            held = self._hold_candidate(request, estimates, cost, limit, near_bound)
         if held is not None:
             # The hold binds to the chosen replica only; the other candidates stay in the
             # ranking as plain fallbacks should the adapter be unable to send it there.
             (chosen, hold), reason = held, "hold"
         else:
             hold = None
-            chosen = self._pick_near_best(order, cost)
+            chosen = self._pick_near_best(order, cost, near_bound)
         if order[0] != chosen:
             if chosen in order:
                 order.remove(chosen)
@@ -178,10 +196,18 @@ class PrefixmeshPolicy:
         replicas: Sequence[ReplicaSnapshot],
         view: RegistryView,
         estimates: CandidateEstimates,
+        cost: list[float],
         limit: float,
     ) -> tuple[list[int], str]:
         """Where the request may go: its hot group's members the guard keeps, else every
-        replica the guard keeps; and the reason to report."""
+        replica the guard keeps; and the reason to report.
+
+        A hot group spills when the guard rejects all its members, and also when its best
+        member's cost exceeds the best replica's by more than ``affinity_slack_s``: members
+        that are busy with other work must not queue the group while a replica that would
+        even recompute the prefix answers sooner (the spill target then holds a copy, and
+        the group's rate soon buys it more members).
+        """
         waits = estimates.queue_wait_s
         group = self.prefix_group(request) if self.config.affinity_enabled else None
         if group is not None:
@@ -189,9 +215,12 @@ class PrefixmeshPolicy:
             if k >= 2:
                 self.ring.sync([snapshot.replica_id for snapshot in replicas])
                 inside = [i for i in self.ring.member_positions(group, k) if waits[i] <= limit]
-                if inside:
+                kept = [i for i, wait in enumerate(waits) if wait <= limit]
+                if inside and min(map(cost.__getitem__, inside)) <= (
+                    min(map(cost.__getitem__, kept)) + self.config.affinity_slack_s
+                ):
                     return inside, "affinity"
-                return [i for i, wait in enumerate(waits) if wait <= limit], "spill"
+                return kept, "spill"
         kept = [i for i, wait in enumerate(waits) if wait <= limit]
         if len(kept) < len(waits) and estimates.holders:
             longest = max(hit.num_blocks for _, hit, _, _ in estimates.holders)
@@ -204,21 +233,32 @@ class PrefixmeshPolicy:
         return kept, "least_ttft"
 
     def _hold_candidate(
-        self, request: RouteRequest, estimates: CandidateEstimates, limit: float
+        self,
+        request: RouteRequest,
+        estimates: CandidateEstimates,
+        cost: list[float],
+        limit: float,
+        near_bound: float,
     ) -> tuple[int, Hold] | None:
-        """The replica computing the longest in-flight stretch of the prompt, if worth a hold."""
+        """The replica computing the longest in-flight stretch of the prompt, if worth a hold:
+        the guard keeps it and its estimate (in-flight blocks counted as held, its queue with
+        the computing request in it) is within the near-best band of the best candidate's.
+
+        The last condition keeps holds from piling a burst of siblings onto one replica while
+        others idle: once its queue makes it dearer than computing the prefix elsewhere, the
+        next sibling goes elsewhere and that replica's copy becomes the next one to join.
+        """
         holders = estimates.holders
         best_confirmed = max(hit.num_blocks - hit.num_speculative for _, hit, _, _ in holders)
         key_blocks = len(request.key.block_hashes)
         block_size = self._block_size
         min_tokens = self.config.hold_min_tokens
         waits = estimates.queue_wait_s
-        cost = estimates.cost
         best: Holder | None = None
         best_blocks = 0
         for holder in holders:
             index, hit, _, _ = holder
-            if hit.num_speculative <= 0 or not waits[index] <= limit:
+            if hit.num_speculative <= 0 or not waits[index] <= limit or cost[index] > near_bound:
                 continue
             blocks = min(hit.num_blocks, key_blocks)
             if blocks <= best_confirmed or (blocks - best_confirmed) * block_size < min_tokens:
@@ -242,10 +282,8 @@ class PrefixmeshPolicy:
         hold = Hold(num_blocks=best_blocks, max_wait_s=self.config.hold_wait_factor * expected_s)
         return index, hold
 
-    def _pick_near_best(self, order: list[int], cost: list[float]) -> int:
+    def _pick_near_best(self, order: list[int], cost: list[float], bound: float) -> int:
         """A random one of the candidates within the near-best band (``order``: by cost)."""
-        best = cost[order[0]]
-        bound = best + abs(best) * self.config.near_best_rel + self.config.near_best_abs_s
         near = 1
         while near < len(order) and cost[order[near]] <= bound:
             near += 1

@@ -3,23 +3,35 @@
     ttft = queue wait + prefill of the tokens the replica does not hold + load of the blocks it
            holds in a lower tier
 
-All three terms come from the replica's own ``ReplicaCapacity``, so a tensor-parallel replica
-that prefills twice as fast is credited for it, and from its snapshot (work already routed to
-it). The hit says what it holds (``view.hits``, confirmed or speculative).
+Every term comes from the replica's own ``ReplicaCapacity`` and its snapshot, so a tensor-
+parallel replica that prefills twice as fast is credited for it, and a replica busy decoding
+many long requests is charged for it. The hit says what it holds (``view.hits``, confirmed or
+speculative: a block being computed right now is counted as held).
 
-Continuous batching. With chunked prefill (vLLM V1) every engine step first schedules one token
-for each running request's decode, then fills the rest of its token budget
-(``max_batch_tokens``) with prefill. A step lasts at least ``decode_step_s`` (reading weights and
-KV is memory bound) and at least the time to compute a full budget at the peak rate, budget /
-``prefill_tokens_per_s``. Prefill therefore advances (budget - running) tokens per step of
-max(decode_step_s, budget / peak) seconds: that is the replica's *effective* prefill rate while
-its running requests decode, and both the queue (``pending_prefill_tokens``) and the new
-prompt's uncached tokens drain at it. The first token needs at least one step.
+The step model. A continuous-batching engine (vLLM V1, chunked prefill) runs steps; each step
+first carries one decode token for every running request, then fills the rest of its token
+budget (``max_batch_tokens``) with prefill. Its duration is
 
-Lower tiers. A block held in CPU memory or on disk costs its load time
-(``cpu_load_s_per_block``, ``disk_load_s_per_block``). When the replica reports none (0), the
-hit is credited instead, as Dynamo does: a CPU block saves 0.75 of its prefill and a disk block
-0.25 (``cpu_fallback_credit``, ``disk_fallback_credit``).
+    step = decode_step_s                        fixed cost: weights, launches, sampling
+         + (R + c) / prefill_tokens_per_s       R decode tokens and c prefill tokens computed
+         + K * kv_read_s_per_block              the running requests' K KV blocks read
+
+so with R running requests a step without prefill (the *decode step*) takes
+decode_step_s + R / peak + K * kv_read_s_per_block, and a step with a full prefill chunk of
+c = budget - R tokens takes c / peak longer. Prefill thus drains at c / (full step) tokens per
+second: the replica's *effective prefill rate*, lower on a replica busy decoding.
+
+- queue wait = half the current step (the request joins at the next step boundary) + the
+  prefill already routed there (``pending_prefill_tokens``) at the effective rate;
+- own prefill = its uncached tokens at the effective rate, but never less than one step that
+  carries them: decode step + uncached / peak;
+- lower tiers: a block held in CPU memory or on disk costs its load time
+  (``cpu_load_s_per_block``, ``disk_load_s_per_block``); when the replica reports none (0), the
+  hit is credited instead, as Dynamo does: a CPU block saves 0.75 of its prefill, a disk block
+  0.25 (``cpu_fallback_credit``, ``disk_fallback_credit``).
+
+Besides the TTFT, each estimate reports the *work* the request would add there, uncached /
+peak: busy time spent recomputing what another replica holds, which the policy prices too.
 """
 
 from __future__ import annotations
@@ -33,29 +45,42 @@ from prefixmesh.router.policy.base import ReplicaCapacity, ReplicaSnapshot, Rout
 _TINY_RATE = 1e-9
 """Stands in for a zero or negative rate in a snapshot, so a broken report cannot divide by
 zero: such a replica just looks hopelessly slow."""
+_TINY_STEP_S = 1e-9
+"""Likewise for a zero step time next to an infinite prefill rate."""
 
 
-def effective_prefill_rate(
-    capacity: ReplicaCapacity, running_requests: int, min_prefill_share: float
-) -> float:
-    """Prompt tokens per second a replica prefills while ``running_requests`` decode beside it.
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """A replica's engine steps under its current load (see the module docstring)."""
 
-    (budget - running) prefill tokens per step of max(decode_step_s, budget / peak) seconds;
-    never less than ``min_prefill_share`` of the budget per step (vLLM keeps admitting prefill
-    chunks even when decodes fill the budget, just slowly).
-    """
+    token_s: float
+    """Compute time of one batched token (1 / peak prefill rate)."""
+    decode_step_s: float
+    """A step carrying only the running requests' decode tokens."""
+    prefill_chunk_tokens: float
+    """Prefill tokens a step carries beside those decodes."""
+    prefill_tokens_per_s: float
+    """Effective prefill rate: a chunk per (decode step + chunk compute)."""
+
+
+def step_times(
+    capacity: ReplicaCapacity,
+    running_requests: int,
+    active_kv_blocks: int,
+    min_prefill_share: float,
+) -> StepTimes:
+    """The step model of one replica; the chunk never falls below ``min_prefill_share`` of the
+    budget (vLLM keeps admitting prefill chunks when decodes fill the budget, just slowly)."""
     budget = capacity.max_batch_tokens if capacity.max_batch_tokens > 0 else 1
     peak = capacity.prefill_tokens_per_s
-    if peak < _TINY_RATE:
-        peak = _TINY_RATE
-    step_s = budget / peak
-    if capacity.decode_step_s > step_s:
-        step_s = capacity.decode_step_s
-    prefill_per_step = budget - running_requests
-    floor = min_prefill_share * budget
-    if prefill_per_step < floor:
-        prefill_per_step = floor
-    return prefill_per_step / step_s
+    token_s = 1.0 / (peak if peak > _TINY_RATE else _TINY_RATE)
+    decode_step_s = (
+        capacity.decode_step_s
+        + running_requests * token_s
+        + active_kv_blocks * capacity.kv_read_s_per_block
+    )
+    chunk = max(budget - running_requests, min_prefill_share * budget)
+    return StepTimes(token_s, decode_step_s, chunk, chunk / (decode_step_s + chunk * token_s))
 
 
 Holder = tuple[int, PrefixHit, float, int]
@@ -69,9 +94,10 @@ class CandidateEstimates:
     """Per-candidate estimates, index-aligned with the snapshot list."""
 
     queue_wait_s: list[float]
-    """Time to drain the prefill already routed to the replica."""
-    cost: list[float]
-    """What the policy minimises: TTFT + recompute_penalty x (seconds of prefill it computes)."""
+    """Time before the request's own prefill starts there."""
+    ttft_s: list[float]
+    work_s: list[float]
+    """Compute time of the request's uncached tokens there (uncached / peak)."""
     holders: list[Holder]
     """Every candidate with a hit, in candidate order (usually a handful)."""
     any_speculative: bool = False
@@ -82,13 +108,13 @@ class CandidateEstimates:
 class ReplicaEstimate:
     """One candidate's estimate, term by term (``TtftModel.explain``)."""
 
-    prefill_rate: float
+    steps: StepTimes
     queue_wait_s: float
     uncached_tokens: int
     prefill_s: float
     load_s: float
     ttft_s: float
-    cost: float
+    work_s: float
 
 
 class TtftModel:
@@ -99,7 +125,6 @@ class TtftModel:
         min_prefill_share: float,
         cpu_fallback_credit: float,
         disk_fallback_credit: float,
-        recompute_penalty: float,
     ) -> None:
         if min_prefill_share <= 0:
             raise ValueError(f"min_prefill_share must be > 0, got {min_prefill_share}")
@@ -107,7 +132,6 @@ class TtftModel:
         self.min_prefill_share = min_prefill_share
         self.cpu_fallback_credit = cpu_fallback_credit
         self.disk_fallback_credit = disk_fallback_credit
-        self.recompute_penalty = recompute_penalty
 
     def held(
         self, hit: PrefixHit, capacity: ReplicaCapacity, key_blocks: int
@@ -156,23 +180,33 @@ class TtftModel:
     ) -> ReplicaEstimate:
         """The estimate of one candidate, term by term (what ``estimate`` computes in bulk)."""
         capacity = snapshot.capacity
-        rate = effective_prefill_rate(capacity, snapshot.running_requests, self.min_prefill_share)
-        wait = max(snapshot.pending_prefill_tokens, 0) / rate
+        running = snapshot.running_requests
+        steps = step_times(capacity, running, snapshot.active_kv_blocks, self.min_prefill_share)
+        pending = snapshot.pending_prefill_tokens
+        if pending > 0:  # mid-way through a step that carries (some of) that prefill
+            current = min(pending, steps.prefill_chunk_tokens)
+            wait = 0.5 * (steps.decode_step_s + current * steps.token_s)
+            wait += pending / steps.prefill_tokens_per_s
+        elif running > 0:  # mid-way through a decode step
+            wait = 0.5 * steps.decode_step_s
+        else:  # idle: starts at once
+            wait = 0.0
         saved, load_s = (0.0, 0.0)
         if hit is not None and hit.num_blocks > 0:
             saved, load_s = self.held(hit, capacity, len(request.key.block_hashes))
         uncached = self.uncached(request, saved)
-        compute_s = uncached / rate
-        prefill_s = max(compute_s, capacity.decode_step_s)
+        prefill_s = max(
+            uncached / steps.prefill_tokens_per_s, steps.decode_step_s + uncached * steps.token_s
+        )
         ttft = wait + prefill_s + load_s
         return ReplicaEstimate(
-            prefill_rate=rate,
+            steps=steps,
             queue_wait_s=wait,
             uncached_tokens=uncached,
             prefill_s=prefill_s,
             load_s=load_s,
             ttft_s=ttft,
-            cost=ttft + self.recompute_penalty * compute_s,
+            work_s=uncached * steps.token_s,
         )
 
     def estimate(
@@ -194,72 +228,77 @@ class TtftModel:
         hits: Mapping[ReplicaId, PrefixHit],
     ) -> CandidateEstimates:
         # NOTE: this loop runs for every candidate of every request and must stay well under
-        # 50 us at 64 replicas, so ``effective_prefill_rate`` and the common kinds of hit (all
-        # GPU, or GPU + CPU credited) are inlined, the rate is unclamped (a zero divides, and
-        # ``estimate`` retries with clamped snapshots) and nothing but a tuple per holder is
-        # allocated. tests/unit/router/policy/test_ttft.py checks it against ``explain``.
+        # 50 us at 64 replicas, so ``step_times`` and the common kinds of hit (all GPU, or
+        # GPU + CPU credited) are inlined, nothing is clamped (a zero divides, and ``estimate``
+        # retries with clamped snapshots) and nothing but a tuple per holder is allocated.
+        # tests/unit/router/policy/test_ttft.py checks it against ``explain``.
         prompt = request.prompt_tokens if request.prompt_tokens > 0 else 0
         least_uncached = 1 if prompt else 0  # vLLM always computes the last token
         key_blocks = len(request.key.block_hashes)
         block_size = self.block_size
         cpu_discount = 1.0 - self.cpu_fallback_credit
         min_share = self.min_prefill_share
-        penalty = self.recompute_penalty
         hits_get = hits.get if hits else None
         waits: list[float] = []
-        costs: list[float] = []
+        ttfts: list[float] = []
+        works: list[float] = []
         holders: list[Holder] = []
         any_speculative = False
         add_wait = waits.append
-        add_cost = costs.append
+        add_ttft = ttfts.append
+        add_work = works.append
         for index, snapshot in enumerate(replicas):
             capacity = snapshot.capacity
-            budget = capacity.max_batch_tokens
-            decode_step_s = capacity.decode_step_s
-            step_s = budget / capacity.prefill_tokens_per_s
-            if decode_step_s > step_s:
-                step_s = decode_step_s
-            prefill_per_step = budget - snapshot.running_requests
-            if prefill_per_step < min_share * budget:
-                prefill_per_step = min_share * budget
-            rate = prefill_per_step / step_s
-            pending = snapshot.pending_prefill_tokens
-            wait = pending / rate if pending > 0 else 0.0
-            add_wait(wait)
-            if hits_get is None or (hit := hits_get(snapshot.replica_id)) is None:
-                compute_s = prompt / rate
-                add_cost(
-                    wait
-                    + (compute_s if compute_s > decode_step_s else decode_step_s)
-                    + penalty * compute_s
-                )
-                continue
-            held_blocks = hit.num_blocks
-            _, cpu, disk = hit.blocks_by_tier
-            load_s = 0.0
-            if (
-                held_blocks <= key_blocks
-                and not disk
-                and (not cpu or (cpu <= held_blocks and capacity.cpu_load_s_per_block <= 0))
-            ):
-                saved = (held_blocks - cpu * cpu_discount) * block_size
-            else:
-                saved, load_s = self.held(hit, capacity, key_blocks)
-            uncached = int(prompt - saved + 0.5)
-            if uncached < least_uncached:
-                uncached = least_uncached
-            if held_blocks > 0:
-                holders.append((index, hit, rate, uncached))
-                if hit.num_speculative > 0:
-                    any_speculative = True
-            compute_s = uncached / rate
-            add_cost(
-                wait
-                + (compute_s if compute_s > decode_step_s else decode_step_s)
-                + load_s
-                + penalty * compute_s
+            token_s = 1.0 / capacity.prefill_tokens_per_s
+            running = snapshot.running_requests
+            decode_step_s = (
+                capacity.decode_step_s
+                + running * token_s
+                + snapshot.active_kv_blocks * capacity.kv_read_s_per_block
             )
-        return CandidateEstimates(waits, costs, holders, any_speculative)
+            budget = capacity.max_batch_tokens
+            chunk = budget - running
+            if chunk < min_share * budget:
+                chunk = min_share * budget
+            full_step_s = decode_step_s + chunk * token_s
+            rate = chunk / full_step_s
+            pending = snapshot.pending_prefill_tokens
+            if pending > 0:
+                current = chunk if pending > chunk else pending
+                wait = 0.5 * (decode_step_s + current * token_s) + pending / rate
+            elif running > 0:
+                wait = 0.5 * decode_step_s
+            else:
+                wait = 0.0
+            add_wait(wait)
+            load_s = 0.0
+            if hits_get is None or (hit := hits_get(snapshot.replica_id)) is None:
+                uncached = prompt
+            else:
+                held_blocks = hit.num_blocks
+                _, cpu, disk = hit.blocks_by_tier
+                if (
+                    held_blocks <= key_blocks
+                    and not disk
+                    and (not cpu or (cpu <= held_blocks and capacity.cpu_load_s_per_block <= 0))
+                ):
+                    saved = (held_blocks - cpu * cpu_discount) * block_size
+                else:
+                    saved, load_s = self.held(hit, capacity, key_blocks)
+                uncached = int(prompt - saved + 0.5)
+                if uncached < least_uncached:
+                    uncached = least_uncached
+                if held_blocks > 0:
+                    holders.append((index, hit, rate, uncached))
+                    if hit.num_speculative > 0:
+                        any_speculative = True
+            work_s = uncached * token_s
+            prefill_s = uncached / rate
+            if decode_step_s + work_s > prefill_s:
+                prefill_s = decode_step_s + work_s
+            add_ttft(wait + prefill_s + load_s)
+            add_work(work_s)
+        return CandidateEstimates(waits, ttfts, works, holders, any_speculative)
 
 
 def _sane(snapshot: ReplicaSnapshot) -> ReplicaSnapshot:
@@ -270,5 +309,6 @@ def _sane(snapshot: ReplicaSnapshot) -> ReplicaSnapshot:
             capacity,
             prefill_tokens_per_s=max(capacity.prefill_tokens_per_s, _TINY_RATE),
             max_batch_tokens=max(capacity.max_batch_tokens, 1),
+            decode_step_s=max(capacity.decode_step_s, _TINY_STEP_S),
         ),
     )

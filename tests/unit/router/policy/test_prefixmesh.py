@@ -67,11 +67,9 @@ def test_a_hot_prefix_spreads_over_k_ring_replicas_that_follow_its_rate() -> Non
     )
 
 
-def test_within_a_hot_group_the_estimate_picks_and_the_group_spills_only_when_all_overloaded() -> (
-    None
-):
+def test_within_a_hot_group_the_estimate_picks_and_busy_members_spill() -> None:
     members = sorted(ring_members(NAMES, 2))
-    busy = {members[0]: 500}  # 0.5 s of queued prefill: within the guard, but slower
+    busy = {members[0]: 500}  # ~0.6 s of queued prefill: within the guard, but slower
     replicas = [snap(n, pending=busy.get(n, 0)) for n in NAMES]
     for seed in range(10):
         decision = prefixmesh(seed).route(group_request(9), replicas, view(group_rate=1.0), 0.0)
@@ -80,6 +78,14 @@ def test_within_a_hot_group_the_estimate_picks_and_the_group_spills_only_when_al
     decision = prefixmesh().route(group_request(9), overloaded, view(group_rate=1.0), 0.0)
     assert decision.reason == "spill"
     assert not set(chosen_ids(decision.ranked)) & set(members)
+    # Merely busier members (0.16 s queued, within the guard) also spill once they are
+    # affinity_slack_s dearer than an idle replica; with an infinite slack they keep it.
+    busier = [snap(n, pending=100 if n in members else 0) for n in NAMES]
+    decision = prefixmesh().route(group_request(9), busier, view(group_rate=1.0), 0.0)
+    assert decision.reason == "spill" and str(decision.chosen) not in members
+    sticky = prefixmesh(affinity_slack_s=float("inf"))
+    decision = sticky.route(group_request(9), busier, view(group_rate=1.0), 0.0)
+    assert decision.reason == "affinity" and str(decision.chosen) in members
 
 
 def test_a_cold_prefix_stays_on_its_single_holder() -> None:
@@ -88,40 +94,42 @@ def test_a_cold_prefix_stays_on_its_single_holder() -> None:
         decision = prefixmesh(seed).route(
             request(*range(10)), replicas, view(group_rate=0.1, b=hit(gpu=8)), 0.0
         )
-        # b: 0.02 wait + 8 tokens (0.01 floor) + penalty 0.004 < 40 tokens elsewhere (0.06).
+        # b: 37 ms wait + one 18 ms step for 8 tokens + 4 ms penalty = 59 ms, while 40 tokens
+        # elsewhere take 50 ms + 20 ms penalty.
         assert (str(decision.chosen), decision.reason) == ("b", "least_ttft")
         assert decision.hold is None
 
 
 def test_siblings_of_an_in_flight_prefix_are_held_on_its_replica_with_a_bounded_wait() -> None:
-    # b is computing blocks 2..7 of this prompt right now (speculative); a holds the head.
-    replicas = [snap("a"), snap("b", pending=40), snap("c")]
-    hits = view(a=hit(gpu=2), b=hit(gpu=8, speculative=6))
+    # b is computing blocks 2..7 of this prompt right now (its 32 pending tokens; speculative
+    # entries); a and c hold nothing and are decoding 10 requests each.
+    replicas = [snap("a", running=10), snap("b", pending=32), snap("c", running=10)]
+    hits = view(b=hit(gpu=8, speculative=6))
     decision = prefixmesh().route(request(*range(10)), replicas, hits, 0.0)
     assert (str(decision.chosen), decision.reason) == ("b", "hold")
-    # Stored once b's queue (0.04 s, the in-flight prefill included) drains; the in-flight
-    # blocks alone take 24 / 1000 s. Bound: hold_wait_factor 2 x max(0.04, 0.024).
-    assert decision.hold == Hold(num_blocks=8, max_wait_s=pytest.approx(0.08))
-    # Without holds the estimate decides alone: b's 40 ms queue outweighs the 24 tokens it
-    # would save (a: 32 tokens, 0.048 vs b: 0.054) ...
-    unheld = prefixmesh(holds_enabled=False)
-    decision = unheld.route(request(*range(10)), replicas, hits, 0.0)
-    assert (str(decision.chosen), decision.hold) == ("a", None)
-    # ... and with 20 ms queued, b wins (0.034), without a hold.
-    lighter = [snap("a"), snap("b", pending=20), snap("c")]
-    decision = unheld.route(request(*range(10)), lighter, hits, 0.0)
-    assert (str(decision.chosen), decision.hold) == ("b", None)
-    # Too little in flight beyond what is confirmed: no hold.
+    # Stored once b's queue drains (half a step + 32 tokens, the in-flight prefill itself) or
+    # after the in-flight blocks alone (24 tokens at 909 tokens/s), whichever is longer; the
+    # bound is hold_wait_factor 2 times that.
+    queue_s = 0.5 * (0.01 + 0.032) + 32 / (100 / 0.11)
+    assert decision.hold == Hold(num_blocks=8, max_wait_s=pytest.approx(2 * queue_s))
+    # Without holds the estimate sends it to b all the same, without waiting.
+    unheld = prefixmesh(holds_enabled=False).route(request(*range(10)), replicas, hits, 0.0)
+    assert (str(unheld.chosen), unheld.hold) == ("b", None)
+    # Too little in flight beyond what is confirmed anywhere: no hold.
     short = prefixmesh(hold_min_tokens=28).route(request(*range(10)), replicas, hits, 0.0)
-    assert short.hold is None
-    # The in-flight replica is overloaded: no hold there.
+    assert (str(short.chosen), short.hold) == ("b", None)
+    # b has fallen behind (computing the prefix elsewhere is now faster): no hold, elsewhere.
+    behind = [snap("a", running=10), snap("b", pending=200), snap("c", running=10)]
+    decision = prefixmesh().route(request(*range(10)), behind, hits, 0.0)
+    assert decision.hold is None and str(decision.chosen) != "b"
+    # b is overloaded outright: never held there.
     overloaded = [snap("a"), snap("b", pending=2000), snap("c")]
     decision = prefixmesh().route(request(*range(10)), overloaded, hits, 0.0)
     assert decision.hold is None and str(decision.chosen) != "b"
 
 
 def test_an_overloaded_holder_loses_only_its_own_excess_traffic() -> None:
-    # a holds prefix P and is overloaded (1.5 s queued > 0 + 1.0 s); d holds Q, busy (0.3 s).
+    # a holds prefix P and is overloaded (1.7 s queued > 0 + 1.0 s); d holds Q, busy (0.4 s).
     replicas = [snap("a", pending=1500), snap("b"), snap("c"), snap("d", pending=300)]
     p = request(*range(100))
     q = request(*range(500, 600))
@@ -136,7 +144,7 @@ def test_an_overloaded_holder_loses_only_its_own_excess_traffic() -> None:
 
 
 def test_near_ties_are_random_across_seeds_and_repeatable_for_one_seed() -> None:
-    replicas = [snap("a"), snap("b"), snap("c"), snap("d", pending=20)]  # d: 20 ms behind
+    replicas = [snap("a"), snap("b"), snap("c"), snap("d", pending=20)]  # d: 37 ms behind
     chosen = {
         str(prefixmesh(seed).route(request(1, 2), replicas, view(), 0.0).chosen)
         for seed in range(30)

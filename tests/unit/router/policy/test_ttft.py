@@ -6,7 +6,7 @@ import pytest
 
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.router.policy.base import ReplicaCapacity
-from prefixmesh.router.policy.ttft import TtftModel, effective_prefill_rate
+from prefixmesh.router.policy.ttft import TtftModel, step_times
 from tests.unit.router.policy.builders import CAPACITY, hit, request, snap
 
 
@@ -16,39 +16,55 @@ def model(**overrides: float) -> TtftModel:
         "min_prefill_share": 0.05,
         "cpu_fallback_credit": 0.75,
         "disk_fallback_credit": 0.25,
-        "recompute_penalty": 0.5,
     } | overrides
     return TtftModel(**settings)  # type: ignore[arg-type]
 
 
 def test_prefill_shares_each_step_with_the_running_decodes() -> None:
-    # Budget 100 tokens, a full step takes 100 / 1000 = 0.1 s (> the 0.01 s decode floor).
-    assert effective_prefill_rate(CAPACITY, 0, 0.05) == pytest.approx(1000)
-    assert effective_prefill_rate(CAPACITY, 20, 0.05) == pytest.approx(800)
-    assert effective_prefill_rate(CAPACITY, 500, 0.05) == pytest.approx(50)  # floor: 5 per step
-    # Memory bound: a full budget computes in 0.1 ms but a step still takes 10 ms.
-    fast = ReplicaCapacity(1_000_000.0, 0.01, 100, 1000)
-    assert effective_prefill_rate(fast, 0, 0.05) == pytest.approx(10_000)
+    # 1 ms per token, 10 ms fixed per step, budget 100 tokens.
+    idle = step_times(CAPACITY, 0, 0, 0.05)
+    assert (idle.token_s, idle.decode_step_s, idle.prefill_chunk_tokens) == (0.001, 0.01, 100)
+    assert idle.prefill_tokens_per_s == pytest.approx(100 / 0.11)
+    busy = step_times(CAPACITY, 20, 0, 0.05)  # 20 decode tokens per step: 80 left to prefill
+    assert busy.decode_step_s == pytest.approx(0.03)
+    assert busy.prefill_tokens_per_s == pytest.approx(80 / 0.11)
+    swamped = step_times(CAPACITY, 500, 0, 0.05)  # the chunk floor: 5 tokens a step
+    assert swamped.prefill_tokens_per_s == pytest.approx(5 / (0.51 + 0.005))
+    # Reading the running requests' KV (100 blocks x 0.1 ms) lengthens every step.
+    reading = ReplicaCapacity(1000.0, 0.01, 100, 1000, kv_read_s_per_block=0.0001)
+    assert step_times(reading, 20, 100, 0.05).decode_step_s == pytest.approx(0.04)
 
 
 def test_ttft_is_queue_plus_uncached_prefill_plus_lower_tier_loads() -> None:
     capacity = ReplicaCapacity(1000.0, 0.01, 100, 1000, cpu_load_s_per_block=0.001)
-    replica = snap("a", running=20, pending=200, capacity=capacity)  # 800 tokens/s
+    replica = snap("a", running=20, pending=200, capacity=capacity)
+    rate = 80 / 0.11
     # 10 blocks; GPU 4 + CPU 2 (loaded, 1 ms each) + disk 2 (no load time: credit 0.25)
     # -> saved 6.5 blocks = 26 tokens, 14 to compute.
     estimate = model().explain(request(*range(10)), replica, hit(gpu=4, cpu=2, disk=2))
-    assert estimate.queue_wait_s == pytest.approx(0.25)
+    # Half of the current step (30 ms of decodes + 80 prefill tokens), then 200 tokens.
+    assert estimate.queue_wait_s == pytest.approx(0.5 * 0.11 + 200 / rate)
     assert estimate.uncached_tokens == 14
-    assert estimate.prefill_s == pytest.approx(14 / 800)
+    assert estimate.prefill_s == pytest.approx(0.03 + 0.014)  # one step carries all 14
     assert estimate.load_s == pytest.approx(0.002)
-    assert estimate.ttft_s == pytest.approx(0.25 + 14 / 800 + 0.002)
-    assert estimate.cost == pytest.approx(estimate.ttft_s + 0.5 * 14 / 800)
+    assert estimate.ttft_s == pytest.approx(0.055 + 200 / rate + 0.044 + 0.002)
+    assert estimate.work_s == pytest.approx(0.014)  # 14 tokens at 1 ms
+    long_prompt = model().explain(request(*range(100)), replica, None)  # 400 tokens: 5 steps
+    assert long_prompt.prefill_s == pytest.approx(400 / rate)
+
+
+def test_waits_on_idle_and_decoding_replicas() -> None:
+    assert model().explain(request(1), snap("a"), None).queue_wait_s == 0.0
+    decoding = model().explain(request(1), snap("a", running=20), None)
+    assert decoding.queue_wait_s == pytest.approx(0.015)  # half a 30 ms decode step
+    light = model().explain(request(1), snap("a", pending=20), None)
+    assert light.queue_wait_s == pytest.approx(0.5 * 0.03 + 20 / (100 / 0.11))
 
 
 def test_first_token_takes_at_least_one_step_and_the_last_token_is_computed() -> None:
     estimate = model().explain(request(1, 2), snap("a"), hit(gpu=2))
     assert estimate.uncached_tokens == 1
-    assert estimate.prefill_s == pytest.approx(0.01)
+    assert estimate.prefill_s == pytest.approx(0.011)
 
 
 def test_a_hit_longer_than_the_prompt_is_trimmed_from_its_deepest_tier() -> None:
@@ -68,11 +84,18 @@ def test_bulk_estimate_matches_the_term_by_term_one() -> None:
                 rng.choice([16, 100, 2048]),
                 100,
                 cpu_load_s_per_block=rng.choice([0.0, 0.002]),
+                kv_read_s_per_block=rng.choice([0.0, 1e-5]),
             )
             for _ in range(6)
         ]
         replicas = [
-            snap(f"r{i}", running=rng.randrange(40), pending=rng.randrange(500), capacity=c)
+            snap(
+                f"r{i}",
+                running=rng.randrange(40),
+                pending=rng.choice([0, rng.randrange(500)]),
+                kv=rng.randrange(300),
+                capacity=c,
+            )
             for i, c in enumerate(capacities)
         ]
         req = request(*range(rng.randrange(1, 12)), extra_tokens=rng.randrange(4))
@@ -84,17 +107,19 @@ def test_bulk_estimate_matches_the_term_by_term_one() -> None:
         for i, replica in enumerate(replicas):
             one = tiny.explain(req, replica, hits.get(replica.replica_id))
             assert bulk.queue_wait_s[i] == pytest.approx(one.queue_wait_s)
-            assert bulk.cost[i] == pytest.approx(one.cost)
+            assert bulk.ttft_s[i] == pytest.approx(one.ttft_s)
+            assert bulk.work_s[i] == pytest.approx(one.work_s)
         for index, held, rate, uncached in bulk.holders:
             one = tiny.explain(req, replicas[index], held)
             assert uncached == one.uncached_tokens
-            assert rate == pytest.approx(one.prefill_rate)
+            assert rate == pytest.approx(one.steps.prefill_tokens_per_s)
 
 
 def test_zero_rates_in_a_report_do_not_divide_by_zero() -> None:
     broken = [
         snap("a", pending=10, capacity=ReplicaCapacity(0.0, 0.0, 0, 0)),
         snap("b", pending=10, capacity=CAPACITY),
+        snap("c", pending=10, capacity=ReplicaCapacity(float("inf"), 0.0, 16, 0)),
     ]
     estimates = model().estimate(request(1, 2), broken, {})
-    assert estimates.cost[0] > estimates.cost[1]
+    assert estimates.ttft_s[0] > estimates.ttft_s[1]
