@@ -149,9 +149,9 @@ class PrefixmeshPolicyConfig(_Section):
     recomputed work delays every request queued behind it, roughly utilization-many of them,
     so ~0.5 keeps a holder preferred unless it is clearly busier (0 = pure TTFT)."""
     pressure_wait_s: float = Field(default=1.0, gt=0)
-    """The recompute penalty grows by 1 for every this many seconds of queue on the least-loaded
-    candidate: once every replica is backlogged, recomputing a prefix only lengthens the
-    backlog, and a greedy TTFT choice spirals into recomputing everything."""
+    """The recompute penalty grows by 1 for every this many seconds of prefill queued on the
+    least-loaded candidate: once every replica is backlogged, recomputing a prefix only
+    lengthens the backlog, and a greedy TTFT choice spirals into recomputing everything."""
     overload_wait_rel: float = Field(default=1.5, ge=1)
     """The guard also needs the queue wait above this multiple of the least-loaded one's
     (SGLang's balance_rel_threshold): a uniformly backlogged fleet keeps its affinity."""

@@ -5,7 +5,7 @@ One decision, in order:
 
 1. Estimate every candidate (``ttft.py``): queue wait, TTFT and cost = TTFT + a penalty on the
    prefill the replica would recompute (recomputed work delays everything queued behind it,
-   the more so the longer the queues: the penalty grows with the least-loaded replica's wait).
+   the more so the longer the queues: it grows with the least-loaded replica's backlog).
 2. Overload guard, per candidate: a replica whose queue wait exceeds the least-loaded
    candidate's by more than ``overload_wait_s`` (and ``overload_wait_rel`` times, so that a
    fleet-wide backlog does not force recomputes) is skipped. Nothing is switched off fleet-wide:
@@ -94,6 +94,8 @@ class PrefixmeshPolicy:
         """(mean peak prefill tokens/s, mean decode step s) of the fleet at the last decision:
         the "average replica" that ``traffic_weight`` counts busy-seconds of."""
         self._decisions = 0
+        self._fleet_backlog_s = 0.0
+        """The least-loaded candidate's queued prefill at the previous decision."""
         self._last_decision: tuple[str, int, list[Holder]] | None = None
         """(request id, chosen index, holders) of the last decision, so the adapter's
         ``traffic_weight`` call right after ``route`` weighs the work the chosen replica does."""
@@ -146,26 +148,28 @@ class PrefixmeshPolicy:
         if self._decisions % _REFERENCE_REFRESH == 0:
             self._reference = fleet_reference(replicas)
         self._decisions += 1
-        estimates = self.model.estimate(request, replicas, view.hits)
         config = self.config
-        least_wait = min(estimates.queue_wait_s)
-        if least_wait != least_wait:  # NaN in a report: guard nothing, price nothing extra
-            least_wait, limit = 0.0, math.inf
+        # Recomputing costs its busy time to everyone queued behind it. While some replica has
+        # no queued prefill that is a fraction of a request (recompute_penalty); once even the
+        # least-loaded one has a backlog, every second recomputed is paid by a queue of
+        # requests, so the price grows with that backlog and affinity wins over a slightly
+        # shorter wait. The backlog is the one measured at the previous decision: it moves
+        # slowly, and pricing in the same pass saves a second one over the fleet.
+        penalty = config.recompute_penalty + self._fleet_backlog_s / config.pressure_wait_s
+        estimates = self.model.estimate(request, replicas, view.hits, penalty)
+        backlog_s = estimates.least_backlog_s
+        self._fleet_backlog_s = backlog_s if backlog_s == backlog_s else 0.0  # NaN: forget
+        cost = estimates.cost
+        waits = estimates.queue_wait_s
+        least_wait = min(waits)
+        if least_wait != least_wait:  # NaN in a report: guard nothing
+            limit = math.inf
         else:
             # The guard: a replica is overloaded iff its queue wait exceeds the least-loaded
             # candidate's by overload_wait_s AND by the factor overload_wait_rel (SGLang's two
             # thresholds): under a fleet-wide backlog a holder a little further behind keeps
             # its traffic, instead of forcing recomputes that deepen the backlog everywhere.
             limit = max(least_wait + config.overload_wait_s, least_wait * config.overload_wait_rel)
-        # Recomputing costs its busy time to everyone queued behind it. While some replica is
-        # idle that is a fraction of a request (recompute_penalty); once even the least-loaded
-        # replica has a queue, every second recomputed is paid by a queue of requests, so the
-        # price grows with that queue and affinity wins over a slightly shorter wait.
-        penalty = config.recompute_penalty + least_wait / config.pressure_wait_s
-        cost = [
-            ttft + penalty * work
-            for ttft, work in zip(estimates.ttft_s, estimates.work_s, strict=True)
-        ]
         candidates, reason = self._candidates(request, replicas, view, estimates, cost, limit)
         if not candidates:  # every wait NaN: nothing to compare, anyone will do
             candidates = list(range(len(replicas)))
@@ -213,16 +217,22 @@ class PrefixmeshPolicy:
         if group is not None:
             k = min(self.groups.size(group, view.group_rate), len(replicas))
             if k >= 2:
-                self.ring.sync([snapshot.replica_id for snapshot in replicas])
+                self.ring.sync(list(map(_replica_id, replicas)))
                 inside = [i for i in self.ring.member_positions(group, k) if waits[i] <= limit]
-                kept = [i for i, wait in enumerate(waits) if wait <= limit]
-                if inside and min(map(cost.__getitem__, inside)) <= (
-                    min(map(cost.__getitem__, kept)) + self.config.affinity_slack_s
+                if max(waits) <= limit:
+                    kept, best_kept = list(range(len(waits))), min(cost)
+                else:
+                    kept = [i for i, wait in enumerate(waits) if wait <= limit]
+                    best_kept = min(map(cost.__getitem__, kept))
+                if inside and (
+                    min(map(cost.__getitem__, inside)) <= best_kept + self.config.affinity_slack_s
                 ):
                     return inside, "affinity"
                 return kept, "spill"
+        if max(waits) <= limit:  # the common case: nobody overloaded
+            return list(range(len(waits))), "least_ttft"
         kept = [i for i, wait in enumerate(waits) if wait <= limit]
-        if len(kept) < len(waits) and estimates.holders:
+        if estimates.holders:
             longest = max(hit.num_blocks for _, hit, _, _ in estimates.holders)
             longest_kept = max(
                 (hit.num_blocks for i, hit, _, _ in estimates.holders if waits[i] <= limit),
@@ -271,13 +281,13 @@ class PrefixmeshPolicy:
                 best, best_blocks = holder, blocks
         if best is None:
             return None
-        index, hit, rate, _ = best
+        index, hit, per_token_s, _ = best
         in_flight_blocks = min(hit.num_speculative, best_blocks)
         # The blocks are stored once the request computing them gets through the replica's
         # queue (which includes that request's own prefill) and computes them: bound the wait
         # by the larger of the two, times a safety factor. The replica releases the hold as
         # soon as the blocks land, so a generous bound costs nothing when all goes well.
-        in_flight_prefill_s = in_flight_blocks * block_size / rate
+        in_flight_prefill_s = in_flight_blocks * block_size * per_token_s
         expected_s = max(waits[index], in_flight_prefill_s, 0.0)
         hold = Hold(num_blocks=best_blocks, max_wait_s=self.config.hold_wait_factor * expected_s)
         return index, hold

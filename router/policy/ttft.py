@@ -18,13 +18,15 @@ budget (``max_batch_tokens``) with prefill. Its duration is
 
 so with R running requests a step without prefill (the *decode step*) takes
 decode_step_s + R / peak + K * kv_read_s_per_block, and a step with a full prefill chunk of
-c = budget - R tokens takes c / peak longer. Prefill thus drains at c / (full step) tokens per
-second: the replica's *effective prefill rate*, lower on a replica busy decoding.
+c = budget - R tokens takes c / peak longer. A prefill token thus costs 1 / peak of compute
+plus its share of the decode step, decode step / c: the replica's *effective* time per prefill
+token, longer on a replica busy decoding.
 
-- queue wait = half the current step (the request joins at the next step boundary) + the
-  prefill already routed there (``pending_prefill_tokens``) at the effective rate;
-- own prefill = its uncached tokens at the effective rate, but never less than one step that
-  carries them: decode step + uncached / peak;
+- queue wait = half a decode step (a busy replica takes the request at its next step
+  boundary) + the prefill already routed there (``pending_prefill_tokens``) at the effective
+  time per token;
+- own prefill = its uncached tokens at the effective time per token, but never less than the
+  one step that carries them: decode step + uncached / peak;
 - lower tiers: a block held in CPU memory or on disk costs its load time
   (``cpu_load_s_per_block``, ``disk_load_s_per_block``); when the replica reports none (0), the
   hit is credited instead, as Dynamo does: a CPU block saves 0.75 of its prefill, a disk block
@@ -36,6 +38,7 @@ peak: busy time spent recomputing what another replica holds, which the policy p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -59,8 +62,8 @@ class StepTimes:
     """A step carrying only the running requests' decode tokens."""
     prefill_chunk_tokens: float
     """Prefill tokens a step carries beside those decodes."""
-    prefill_tokens_per_s: float
-    """Effective prefill rate: a chunk per (decode step + chunk compute)."""
+    prefill_s_per_token: float
+    """Effective time per prefill token: its compute + its share of the decode step."""
 
 
 def step_times(
@@ -80,13 +83,13 @@ def step_times(
         + active_kv_blocks * capacity.kv_read_s_per_block
     )
     chunk = max(budget - running_requests, min_prefill_share * budget)
-    return StepTimes(token_s, decode_step_s, chunk, chunk / (decode_step_s + chunk * token_s))
+    return StepTimes(token_s, decode_step_s, chunk, token_s + decode_step_s / chunk)
 
 
 Holder = tuple[int, PrefixHit, float, int]
-"""A candidate with a hit: (its index in the snapshot list, the hit, its effective prefill
-rate, the prompt tokens it would still compute). A plain tuple: the hot loop builds one per
-holder, and a hot prefix can have dozens."""
+"""A candidate with a hit: (its index in the snapshot list, the hit, its effective time per
+prefill token, the prompt tokens it would still compute). A plain tuple: the hot loop builds
+one per holder, and a hot prefix can have dozens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +98,11 @@ class CandidateEstimates:
 
     queue_wait_s: list[float]
     """Time before the request's own prefill starts there."""
-    ttft_s: list[float]
-    work_s: list[float]
-    """Compute time of the request's uncached tokens there (uncached / peak)."""
+    cost: list[float]
+    """TTFT + recompute_penalty x work (the compute time of the uncached tokens there)."""
+    least_backlog_s: float
+    """The shortest queued prefill (pending x effective time per token) of any candidate: 0
+    while some replica has none, the fleet's backlog once every one has some."""
     holders: list[Holder]
     """Every candidate with a hit, in candidate order (usually a handful)."""
     any_speculative: bool = False
@@ -183,20 +188,16 @@ class TtftModel:
         running = snapshot.running_requests
         steps = step_times(capacity, running, snapshot.active_kv_blocks, self.min_prefill_share)
         pending = snapshot.pending_prefill_tokens
-        if pending > 0:  # mid-way through a step that carries (some of) that prefill
-            current = min(pending, steps.prefill_chunk_tokens)
-            wait = 0.5 * (steps.decode_step_s + current * steps.token_s)
-            wait += pending / steps.prefill_tokens_per_s
-        elif running > 0:  # mid-way through a decode step
-            wait = 0.5 * steps.decode_step_s
-        else:  # idle: starts at once
+        if pending > 0 or running > 0:  # busy: it takes the request at its next step
+            wait = 0.5 * steps.decode_step_s + max(pending, 0) * steps.prefill_s_per_token
+        else:
             wait = 0.0
         saved, load_s = (0.0, 0.0)
         if hit is not None and hit.num_blocks > 0:
             saved, load_s = self.held(hit, capacity, len(request.key.block_hashes))
         uncached = self.uncached(request, saved)
         prefill_s = max(
-            uncached / steps.prefill_tokens_per_s, steps.decode_step_s + uncached * steps.token_s
+            uncached * steps.prefill_s_per_token, steps.decode_step_s + uncached * steps.token_s
         )
         ttft = wait + prefill_s + load_s
         return ReplicaEstimate(
@@ -214,18 +215,22 @@ class TtftModel:
         request: RouteRequest,
         replicas: Sequence[ReplicaSnapshot],
         hits: Mapping[ReplicaId, PrefixHit],
+        recompute_penalty: float = 0.0,
     ) -> CandidateEstimates:
-        """``explain`` for every candidate, fast (the routing hot path)."""
+        """``explain`` for every candidate, fast (the routing hot path), priced with
+        ``recompute_penalty``."""
         try:
-            return self._estimate(request, replicas, hits)
+            return self._estimate(request, replicas, hits, recompute_penalty)
         except ZeroDivisionError:  # a zero rate or budget in some report: clamp, then redo
-            return self._estimate(request, [_sane(s) for s in replicas], hits)
+            sane = [_sane(s) for s in replicas]
+            return self._estimate(request, sane, hits, recompute_penalty)
 
     def _estimate(
         self,
         request: RouteRequest,
         replicas: Sequence[ReplicaSnapshot],
         hits: Mapping[ReplicaId, PrefixHit],
+        penalty: float,
     ) -> CandidateEstimates:
         # NOTE: this loop runs for every candidate of every request and must stay well under
         # 50 us at 64 replicas, so ``step_times`` and the common kinds of hit (all GPU, or
@@ -240,36 +245,34 @@ class TtftModel:
         min_share = self.min_prefill_share
         hits_get = hits.get if hits else None
         waits: list[float] = []
-        ttfts: list[float] = []
-        works: list[float] = []
+        costs: list[float] = []
         holders: list[Holder] = []
         any_speculative = False
+        least_backlog_s = math.inf
         add_wait = waits.append
-        add_ttft = ttfts.append
-        add_work = works.append
-        for index, snapshot in enumerate(replicas):
+        add_cost = costs.append
+        for snapshot in replicas:
             capacity = snapshot.capacity
             token_s = 1.0 / capacity.prefill_tokens_per_s
             running = snapshot.running_requests
-            decode_step_s = (
-                capacity.decode_step_s
-                + running * token_s
-                + snapshot.active_kv_blocks * capacity.kv_read_s_per_block
-            )
+            decode_step_s = capacity.decode_step_s + running * token_s
+            kv_read_s = capacity.kv_read_s_per_block
+            if kv_read_s:
+                decode_step_s += snapshot.active_kv_blocks * kv_read_s
             budget = capacity.max_batch_tokens
             chunk = budget - running
             if chunk < min_share * budget:
                 chunk = min_share * budget
-            full_step_s = decode_step_s + chunk * token_s
-            rate = chunk / full_step_s
+            per_token_s = token_s + decode_step_s / chunk
             pending = snapshot.pending_prefill_tokens
             if pending > 0:
-                current = chunk if pending > chunk else pending
-                wait = 0.5 * (decode_step_s + current * token_s) + pending / rate
-            elif running > 0:
-                wait = 0.5 * decode_step_s
+                backlog_s = pending * per_token_s
+                if backlog_s < least_backlog_s:
+                    least_backlog_s = backlog_s
+                wait = 0.5 * decode_step_s + backlog_s
             else:
-                wait = 0.0
+                least_backlog_s = 0.0
+                wait = 0.5 * decode_step_s if running > 0 else 0.0
             add_wait(wait)
             load_s = 0.0
             if hits_get is None or (hit := hits_get(snapshot.replica_id)) is None:
@@ -289,16 +292,17 @@ class TtftModel:
                 if uncached < least_uncached:
                     uncached = least_uncached
                 if held_blocks > 0:
-                    holders.append((index, hit, rate, uncached))
+                    holders.append((len(waits) - 1, hit, per_token_s, uncached))
                     if hit.num_speculative > 0:
                         any_speculative = True
             work_s = uncached * token_s
-            prefill_s = uncached / rate
+            prefill_s = uncached * per_token_s
             if decode_step_s + work_s > prefill_s:
                 prefill_s = decode_step_s + work_s
-            add_ttft(wait + prefill_s + load_s)
-            add_work(work_s)
-        return CandidateEstimates(waits, ttfts, works, holders, any_speculative)
+            add_cost(wait + prefill_s + load_s + penalty * work_s)
+        if not waits:
+            least_backlog_s = 0.0
+        return CandidateEstimates(waits, costs, least_backlog_s, holders, any_speculative)
 
 
 def _sane(snapshot: ReplicaSnapshot) -> ReplicaSnapshot:

@@ -69,7 +69,7 @@ def test_a_hot_prefix_spreads_over_k_ring_replicas_that_follow_its_rate() -> Non
 
 def test_within_a_hot_group_the_estimate_picks_and_busy_members_spill() -> None:
     members = sorted(ring_members(NAMES, 2))
-    busy = {members[0]: 500}  # ~0.6 s of queued prefill: within the guard, but slower
+    busy = {members[0]: 500}  # ~0.55 s of queued prefill: within the guard, but slower
     replicas = [snap(n, pending=busy.get(n, 0)) for n in NAMES]
     for seed in range(10):
         decision = prefixmesh(seed).route(group_request(9), replicas, view(group_rate=1.0), 0.0)
@@ -78,7 +78,7 @@ def test_within_a_hot_group_the_estimate_picks_and_busy_members_spill() -> None:
     decision = prefixmesh().route(group_request(9), overloaded, view(group_rate=1.0), 0.0)
     assert decision.reason == "spill"
     assert not set(chosen_ids(decision.ranked)) & set(members)
-    # Merely busier members (0.16 s queued, within the guard) also spill once they are
+    # Merely busier members (0.12 s queued, within the guard) also spill once they are
     # affinity_slack_s dearer than an idle replica; with an infinite slack they keep it.
     busier = [snap(n, pending=100 if n in members else 0) for n in NAMES]
     decision = prefixmesh().route(group_request(9), busier, view(group_rate=1.0), 0.0)
@@ -94,7 +94,7 @@ def test_a_cold_prefix_stays_on_its_single_holder() -> None:
         decision = prefixmesh(seed).route(
             request(*range(10)), replicas, view(group_rate=0.1, b=hit(gpu=8)), 0.0
         )
-        # b: 37 ms wait + one 18 ms step for 8 tokens + 4 ms penalty = 59 ms, while 40 tokens
+        # b: 27 ms wait + one 18 ms step for 8 tokens + 4 ms penalty = 49 ms, while 40 tokens
         # elsewhere take 50 ms + 20 ms penalty.
         assert (str(decision.chosen), decision.reason) == ("b", "least_ttft")
         assert decision.hold is None
@@ -108,9 +108,9 @@ def test_siblings_of_an_in_flight_prefix_are_held_on_its_replica_with_a_bounded_
     decision = prefixmesh().route(request(*range(10)), replicas, hits, 0.0)
     assert (str(decision.chosen), decision.reason) == ("b", "hold")
     # Stored once b's queue drains (half a step + 32 tokens, the in-flight prefill itself) or
-    # after the in-flight blocks alone (24 tokens at 909 tokens/s), whichever is longer; the
-    # bound is hold_wait_factor 2 times that.
-    queue_s = 0.5 * (0.01 + 0.032) + 32 / (100 / 0.11)
+    # after the in-flight blocks alone (24 tokens at 1.1 ms), whichever is longer; the bound
+    # is hold_wait_factor 2 times that.
+    queue_s = 0.5 * 0.01 + 32 * 0.0011
     assert decision.hold == Hold(num_blocks=8, max_wait_s=pytest.approx(2 * queue_s))
     # Without holds the estimate sends it to b all the same, without waiting.
     unheld = prefixmesh(holds_enabled=False).route(request(*range(10)), replicas, hits, 0.0)
@@ -129,7 +129,7 @@ def test_siblings_of_an_in_flight_prefix_are_held_on_its_replica_with_a_bounded_
 
 
 def test_an_overloaded_holder_loses_only_its_own_excess_traffic() -> None:
-    # a holds prefix P and is overloaded (1.7 s queued > 0 + 1.0 s); d holds Q, busy (0.4 s).
+    # a holds prefix P and is overloaded (1.7 s queued > 0 + 1.0 s); d holds Q, busy (0.3 s).
     replicas = [snap("a", pending=1500), snap("b"), snap("c"), snap("d", pending=300)]
     p = request(*range(100))
     q = request(*range(500, 600))
@@ -143,8 +143,30 @@ def test_an_overloaded_holder_loses_only_its_own_excess_traffic() -> None:
         assert (str(on_q.chosen), on_q.reason) == ("d", "least_ttft")
 
 
+def test_a_backlogged_fleet_keeps_its_affinity() -> None:
+    p = request(*range(100))  # 400 tokens; a holds 90 blocks of them
+    hits = view(a=hit(gpu=90))
+    # Idle fleet: a's 0.67 s queue costs more than b recomputing 400 tokens (0.44 s + penalty).
+    idle = [snap("a", pending=600), snap("b")]
+    assert str(prefixmesh().route(p, idle, hits, 0.0).chosen) == "b"
+    # Every replica backlogged: b 1.99 s, a 2.76 s. The guard keeps a (less than 1.5 times
+    # b's wait) and recomputing is priced by the backlog (penalty 0.5 + 1.98 s / 1 s), so a
+    # keeps P: 2.90 against b's 3.42.
+    backlogged = [snap("a", pending=2500), snap("b", pending=1800)]
+    pm = prefixmesh()
+    first = pm.route(p, backlogged, hits, 0.0)  # priced with the backlog seen before: none
+    assert str(first.chosen) == "b"
+    second = pm.route(p, backlogged, hits, 0.0)
+    assert (str(second.chosen), second.reason) == ("a", "least_ttft")
+    # Beyond 1.5 times the least-loaded wait, the guard takes a out after all.
+    far_behind = [snap("a", pending=3500), snap("b", pending=1800)]
+    pm.route(p, far_behind, hits, 0.0)
+    decision = pm.route(p, far_behind, hits, 0.0)
+    assert (str(decision.chosen), decision.reason) == ("b", "overload")
+
+
 def test_near_ties_are_random_across_seeds_and_repeatable_for_one_seed() -> None:
-    replicas = [snap("a"), snap("b"), snap("c"), snap("d", pending=20)]  # d: 37 ms behind
+    replicas = [snap("a"), snap("b"), snap("c"), snap("d", pending=20)]  # d: 27 ms behind
     chosen = {
         str(prefixmesh(seed).route(request(1, 2), replicas, view(), 0.0).chosen)
         for seed in range(30)

@@ -24,12 +24,12 @@ def test_prefill_shares_each_step_with_the_running_decodes() -> None:
     # 1 ms per token, 10 ms fixed per step, budget 100 tokens.
     idle = step_times(CAPACITY, 0, 0, 0.05)
     assert (idle.token_s, idle.decode_step_s, idle.prefill_chunk_tokens) == (0.001, 0.01, 100)
-    assert idle.prefill_tokens_per_s == pytest.approx(100 / 0.11)
+    assert idle.prefill_s_per_token == pytest.approx(0.11 / 100)
     busy = step_times(CAPACITY, 20, 0, 0.05)  # 20 decode tokens per step: 80 left to prefill
     assert busy.decode_step_s == pytest.approx(0.03)
-    assert busy.prefill_tokens_per_s == pytest.approx(80 / 0.11)
+    assert busy.prefill_s_per_token == pytest.approx(0.11 / 80)
     swamped = step_times(CAPACITY, 500, 0, 0.05)  # the chunk floor: 5 tokens a step
-    assert swamped.prefill_tokens_per_s == pytest.approx(5 / (0.51 + 0.005))
+    assert swamped.prefill_s_per_token == pytest.approx((0.51 + 0.005) / 5)
     # Reading the running requests' KV (100 blocks x 0.1 ms) lengthens every step.
     reading = ReplicaCapacity(1000.0, 0.01, 100, 1000, kv_read_s_per_block=0.0001)
     assert step_times(reading, 20, 100, 0.05).decode_step_s == pytest.approx(0.04)
@@ -38,19 +38,19 @@ def test_prefill_shares_each_step_with_the_running_decodes() -> None:
 def test_ttft_is_queue_plus_uncached_prefill_plus_lower_tier_loads() -> None:
     capacity = ReplicaCapacity(1000.0, 0.01, 100, 1000, cpu_load_s_per_block=0.001)
     replica = snap("a", running=20, pending=200, capacity=capacity)
-    rate = 80 / 0.11
+    per_token = 0.11 / 80
     # 10 blocks; GPU 4 + CPU 2 (loaded, 1 ms each) + disk 2 (no load time: credit 0.25)
     # -> saved 6.5 blocks = 26 tokens, 14 to compute.
     estimate = model().explain(request(*range(10)), replica, hit(gpu=4, cpu=2, disk=2))
-    # Half of the current step (30 ms of decodes + 80 prefill tokens), then 200 tokens.
-    assert estimate.queue_wait_s == pytest.approx(0.5 * 0.11 + 200 / rate)
+    # Half of a 30 ms decode step, then the 200 tokens queued there.
+    assert estimate.queue_wait_s == pytest.approx(0.015 + 200 * per_token)
     assert estimate.uncached_tokens == 14
     assert estimate.prefill_s == pytest.approx(0.03 + 0.014)  # one step carries all 14
     assert estimate.load_s == pytest.approx(0.002)
-    assert estimate.ttft_s == pytest.approx(0.055 + 200 / rate + 0.044 + 0.002)
+    assert estimate.ttft_s == pytest.approx(0.015 + 200 * per_token + 0.044 + 0.002)
     assert estimate.work_s == pytest.approx(0.014)  # 14 tokens at 1 ms
     long_prompt = model().explain(request(*range(100)), replica, None)  # 400 tokens: 5 steps
-    assert long_prompt.prefill_s == pytest.approx(400 / rate)
+    assert long_prompt.prefill_s == pytest.approx(400 * per_token)
 
 
 def test_waits_on_idle_and_decoding_replicas() -> None:
@@ -58,7 +58,7 @@ def test_waits_on_idle_and_decoding_replicas() -> None:
     decoding = model().explain(request(1), snap("a", running=20), None)
     assert decoding.queue_wait_s == pytest.approx(0.015)  # half a 30 ms decode step
     light = model().explain(request(1), snap("a", pending=20), None)
-    assert light.queue_wait_s == pytest.approx(0.5 * 0.03 + 20 / (100 / 0.11))
+    assert light.queue_wait_s == pytest.approx(0.005 + 20 * 0.0011)
 
 
 def test_first_token_takes_at_least_one_step_and_the_last_token_is_computed() -> None:
@@ -103,16 +103,20 @@ def test_bulk_estimate_matches_the_term_by_term_one() -> None:
             ReplicaId(f"r{i}"): hit(gpu=rng.randrange(4), cpu=rng.randrange(3), speculative=0)
             for i in rng.sample(range(6), 3)
         }
-        bulk = tiny.estimate(req, replicas, hits)
+        bulk = tiny.estimate(req, replicas, hits, recompute_penalty=0.5)
         for i, replica in enumerate(replicas):
             one = tiny.explain(req, replica, hits.get(replica.replica_id))
             assert bulk.queue_wait_s[i] == pytest.approx(one.queue_wait_s)
-            assert bulk.ttft_s[i] == pytest.approx(one.ttft_s)
-            assert bulk.work_s[i] == pytest.approx(one.work_s)
-        for index, held, rate, uncached in bulk.holders:
+            assert bulk.cost[i] == pytest.approx(one.ttft_s + 0.5 * one.work_s)
+        backlogs = [
+            s.pending_prefill_tokens * tiny.explain(req, s, None).steps.prefill_s_per_token
+            for s in replicas
+        ]
+        assert bulk.least_backlog_s == pytest.approx(min(backlogs))
+        for index, held, per_token_s, uncached in bulk.holders:
             one = tiny.explain(req, replicas[index], held)
             assert uncached == one.uncached_tokens
-            assert rate == pytest.approx(one.steps.prefill_tokens_per_s)
+            assert per_token_s == pytest.approx(one.steps.prefill_s_per_token)
 
 
 def test_zero_rates_in_a_report_do_not_divide_by_zero() -> None:
@@ -122,4 +126,4 @@ def test_zero_rates_in_a_report_do_not_divide_by_zero() -> None:
         snap("c", pending=10, capacity=ReplicaCapacity(float("inf"), 0.0, 16, 0)),
     ]
     estimates = model().estimate(request(1, 2), broken, {})
-    assert estimates.ttft_s[0] > estimates.ttft_s[1]
+    assert estimates.cost[0] > estimates.cost[1]
