@@ -19,6 +19,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixmesh.replica.demo_model",
         "build the random-weight demo Llama and its tokenizer, offline",
     ),
+    "serving-bench": (
+        "prefixmesh.loadtest.serving_bench",
+        "the real cluster under each routing policy: TTFT and hit rate side by side",
+    ),
     "registry-bench": (
         "prefixmesh.cache_registry.bench",
         "registry lookup latency, publish throughput and memory per entry",

@@ -209,6 +209,8 @@ class SimEngineConfig(_Section):
     """Named timing profile (replica/model/profile.py)."""
     time_scale: float = Field(default=1.0, gt=0)
     """Multiplies every modelled duration (2.0 = twice as slow)."""
+    kv_blocks: int | None = Field(default=None, ge=1)
+    """Engine-tier KV capacity in blocks (None: the profile's)."""
 
 
 class ReplicaConfig(_Section):

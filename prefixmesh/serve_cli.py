@@ -18,6 +18,11 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser.add_argument("--config", help="YAML config (default: the embedded defaults)")
     parser.add_argument("--address", help="join this Ray cluster instead of starting one")
     parser.add_argument(
+        "--detach",
+        action="store_true",
+        help="with --address: deploy and exit, leaving the app running on that cluster",
+    )
+    parser.add_argument(
         "--set",
         dest="overrides",
         action="append",

