@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -78,7 +79,10 @@ class RegistryState:
         self.blocks: dict[BlockHash, BlockEntry] = {}
         self.replica_blocks: dict[ReplicaId, set[BlockHash]] = {}
         """Blocks each replica holds confirmed (what drop, clear and reset walk)."""
-        self.replica_speculative: dict[ReplicaId, set[BlockHash]] = {}
+        self.replica_speculative: dict[ReplicaId, deque[tuple[float, BlockHash]]] = {}
+        """Each replica's speculative entries in the order written (expiry, block): expiring
+        them pops from the front instead of scanning. An entry already forgotten (confirmed,
+        removed) stays in the queue and is skipped when it comes up."""
         self.sequences: dict[ReplicaId, SequenceState] = {}
         self.inflight: dict[BlockHash, tuple[ReplicaId, float]] = {}
         self.hotness: dict[BlockHash, DecayedCount] = {}
@@ -172,7 +176,7 @@ class RegistryState:
                 self._add(block, replica, index, event.tier)
             else:
                 self._remove(block, replica, index, event.tier)
-                self._forget_speculative(block, replica, index)
+                self._forget_speculative(block, index)
 
     def _add(self, block: BlockHash, replica: ReplicaId, index: int, tier: Tier) -> None:
         entry = self.blocks.get(block)
@@ -190,6 +194,9 @@ class RegistryState:
                 entry = self.blocks.setdefault(block, entry)
             self.replica_blocks.setdefault(replica, set()).add(block)
         entry.tiers[tier] |= bit
+        if tier is Tier.GPU:
+            # Confirmed where the router guessed: the guess has served its purpose.
+            entry.speculative.pop(index, None)
 
     def _remove(self, block: BlockHash, replica: ReplicaId, index: int, tier: Tier) -> None:
         entry = self.blocks.get(block)
@@ -221,32 +228,35 @@ class RegistryState:
     def add_speculative(self, key: PrefixKey, replica: ReplicaId, ttl_s: float) -> None:
         now = self.clock()
         index = self.replicas.assign(replica)
-        owned = self.replica_speculative.setdefault(replica, set())
-        for block in [b for b in owned if self.blocks[b].speculative[index] <= now]:
-            self._forget_speculative(block, replica, index)
-        owned = self.replica_speculative.setdefault(replica, set())
+        queue = self.replica_speculative.setdefault(replica, deque())
+        while queue and queue[0][0] <= now:
+            expiry, block = queue.popleft()
+            self._forget_speculative(block, index, expiry)
+        expiry = now + ttl_s
         for block in key.block_hashes:
             entry = self.blocks.get(block)
             if entry is None:
                 entry = self.blocks[block] = BlockEntry()
-            entry.speculative[index] = now + ttl_s
-            owned.add(block)
+            entry.speculative[index] = expiry
+            queue.append((expiry, block))
 
-    def _forget_speculative(self, block: BlockHash, replica: ReplicaId, index: int) -> None:
+    def _forget_speculative(
+        self, block: BlockHash, index: int, expiry: float | None = None
+    ) -> None:
+        """Drop the replica's speculative entry on ``block`` (only the one written with
+        ``expiry``, when given: a later write of the same block stands)."""
         entry = self.blocks.get(block)
-        if entry is None or entry.speculative.pop(index, None) is None:
+        if entry is None or index not in entry.speculative:
             return
+        if expiry is not None and entry.speculative[index] != expiry:
+            return
+        del entry.speculative[index]
         if entry.empty:
             del self.blocks[block]
-        owned = self.replica_speculative.get(replica)
-        if owned is not None:
-            owned.discard(block)
-            if not owned:
-                del self.replica_speculative[replica]
 
     def _drop_speculative(self, replica: ReplicaId, index: int) -> None:
-        for block in list(self.replica_speculative.get(replica, ())):
-            self._forget_speculative(block, replica, index)
+        for expiry, block in self.replica_speculative.pop(replica, ()):
+            self._forget_speculative(block, index, expiry)
 
     # ---- in-flight claims ------------------------------------------------------------------
 

@@ -97,6 +97,10 @@ local function add_bits(h, bits)
   end
   local new = bit.bor(cur, bits)
   if new ~= cur then redis.call('SETRANGE', k, idx, string.char(new)) end
+  if bits == 1 then  -- confirmed on the GPU where the router guessed: drop the guess
+    redis.call('HDEL', P .. ':s:' .. h, idx)
+    redis.call('ZREM', P .. ':sr:' .. replica, h)
+  end
 end
 local applied, duplicates, gap, reset = 0, 0, 0, 0
 local i = 4

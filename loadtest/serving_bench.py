@@ -201,6 +201,54 @@ def bench_policy(
     )
 
 
+def measure_overhead(config: PrefixmeshConfig, url: str, samples: int) -> dict[str, float]:
+    """Sequential one-token requests three ways: through the HTTP proxy and the ingress (and
+    our router), straight to the replica handle from this driver (our router too, no ingress),
+    and the proxy + FastAPI alone (``/health``, Ray's own floor). The difference of the first
+    two medians is what the ingress and router add."""
+    import httpx
+    from ray import serve
+
+    from prefixmesh.app import REPLICA_NAME, build_app
+    from prefixmesh.cache_registry.factory import make_hasher
+    from prefixmesh.wire import GenerateRequest, SamplingSettings
+
+    serve.run(build_app(config), name=config.app_name, route_prefix="/")
+    try:
+        handle = serve.get_deployment_handle(REPLICA_NAME, config.app_name)
+        hasher = make_hasher(config)
+        prompt = [BOS, *(token_id(7, i, VOCAB) for i in range(31))]
+        key = hasher.hash_tokens(prompt).block_hashes
+        body = {"model": config.model, "prompt": prompt, "max_tokens": 1}
+        http, direct, health = [], [], []
+        with httpx.Client(timeout=30) as client:
+            for i in range(samples + 5):  # the first few warm connections up
+                started = time.perf_counter()
+                assert client.post(f"{url}/v1/completions", json=body).status_code == 200
+                middle = time.perf_counter()
+                request = GenerateRequest(f"direct-{i}", tuple(prompt), key, SamplingSettings(1))
+                for _ in handle.options(stream=True).generate.remote(request):
+                    pass
+                end = time.perf_counter()
+                client.get(f"{url}/health")
+                if i >= 5:
+                    http.append(middle - started)
+                    direct.append(end - middle)
+                    health.append(time.perf_counter() - end)
+    finally:
+        serve.delete(config.app_name)
+    ms = {
+        name: statistics.median(v) * 1000
+        for name, v in (
+            ("http_p50_ms", http),
+            ("handle_p50_ms", direct),
+            ("proxy_health_p50_ms", health),
+        )
+    }
+    ms["added_by_ingress_and_router_p50_ms"] = ms["http_p50_ms"] - ms["handle_p50_ms"]
+    return {k: round(v, 2) for k, v in ms.items()}
+
+
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
@@ -222,6 +270,13 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument(
+        "--overhead",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: measure what the ingress and router add, N samples",
+    )
     parser.add_argument("--json", type=Path)
     return parser.parse_args(argv)
 
@@ -274,6 +329,12 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
+        if args.overhead:
+            overhead = measure_overhead(load_config(overrides=base), url, args.overhead)
+            print(json.dumps(overhead))
+            if args.json:
+                args.json.write_text(json.dumps({"engine": args.engine, **overhead}) + "\n")
+            return 0
         for policy in args.policies.split(","):
             config = load_config(overrides=[*base, f"routing.policy={policy}"])
             report = bench_policy(config, url, workload, prompts, args, oracle)

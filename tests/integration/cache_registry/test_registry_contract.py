@@ -350,3 +350,33 @@ async def test_drop_replica_removes_every_trace(make_registry: RegistryFactory) 
     # A replica that comes back under the same id starts clean: seq 0 is not a gap.
     [result] = await registry.publish([CacheEvent(EventKind.STORED, R1, 0, 1, Tier.GPU, H[:1])])
     assert result == PublishResult(R1, applied=1)
+
+
+async def test_a_confirmed_store_replaces_the_guess(
+    make_registry: RegistryFactory, clock: FakeClock
+) -> None:
+    registry = await connected(make_registry)
+    ev = Sequencer()
+    await registry.add_speculative(KEY, R1, ttl_s=60)
+    await registry.publish([ev(EventKind.STORED, R1, H[:3])])
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {
+        R1: hit(gpu=8, speculative=5)
+    }
+    await registry.publish([ev(EventKind.REMOVED, R1, H[:1])])  # nothing speculative is left
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {}
+
+
+async def test_speculative_entries_rewritten_keep_their_latest_expiry(
+    make_registry: RegistryFactory, clock: FakeClock
+) -> None:
+    registry = await connected(make_registry)
+    await registry.add_speculative(KEY.head(2), R1, ttl_s=1.0)
+    clock.advance(0.5)
+    await registry.add_speculative(KEY.head(2), R1, ttl_s=1.0)  # written again: lives to 1.5
+    clock.advance(0.7)
+    await registry.add_speculative(KEY.head(1), R2, ttl_s=1.0)  # expires R1's first write
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {
+        R1: hit(gpu=2, speculative=2)
+    }
+    clock.advance(0.5)
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {}

@@ -44,9 +44,13 @@ def held(target: FlakyTarget) -> int:
 async def test_changes_are_numbered_and_batched() -> None:
     target = FlakyTarget()
     publisher = EventPublisher(R, target, lambda: H, max_batch_events=2)
-    publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:2]),
-                      BlockChange(EventKind.STORED, Tier.GPU, H[2:3]),
-                      BlockChange(EventKind.REMOVED, Tier.GPU, H[2:3])])
+    publisher.submit(
+        [
+            BlockChange(EventKind.STORED, Tier.GPU, H[:2]),
+            BlockChange(EventKind.STORED, Tier.GPU, H[2:3]),
+            BlockChange(EventKind.REMOVED, Tier.GPU, H[2:3]),
+        ]
+    )
     await publisher.flush()
     assert [[e.seq for e in batch] for batch in target.batches] == [[0, 1], [2]]
     assert {e.epoch for batch in target.batches for e in batch} == {publisher.epoch}

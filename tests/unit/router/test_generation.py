@@ -38,8 +38,9 @@ def decode(ids: Sequence[int]) -> str:
 
 def make(stream: FakeStream, stop: list[str] | None = None) -> tuple[Generation, list[str]]:
     calls: list[str] = []
-    generation = Generation(stream, decode, 10, stop or [], lambda: calls.append("first"),
-                            lambda: calls.append("end"))
+    generation = Generation(
+        stream, decode, 10, stop or [], lambda: calls.append("first"), lambda: calls.append("end")
+    )
     return generation, calls
 
 
@@ -49,25 +50,33 @@ async def collect(generation: Generation) -> list[TextDelta]:
 
 
 async def test_text_usage_and_lifecycle() -> None:
-    stream = FakeStream([
-        GenerateChunk((ord("a"),), num_cached_tokens=4, replica_id="r1"),
-        GenerateChunk((ord("b"), ord("c")), finished=True, finish_reason="length"),
-    ])
+    stream = FakeStream(
+        [
+            GenerateChunk((ord("a"),), num_cached_tokens=4, replica_id="r1"),
+            GenerateChunk((ord("b"), ord("c")), finished=True, finish_reason="length"),
+        ]
+    )
     generation, calls = make(stream)
     deltas = await collect(generation)
     assert deltas == [TextDelta("a"), TextDelta("bc", "length")]
     assert generation.replica_id == "r1"
     assert generation.usage.as_dict() == {
-        "prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+        "prompt_tokens": 10,
+        "completion_tokens": 3,
+        "total_tokens": 13,
         "prompt_tokens_details": {"cached_tokens": 4},
     }
     assert calls == ["first", "end"]
 
 
 async def test_a_stop_string_cuts_the_text_and_aborts_the_stream() -> None:
-    stream = FakeStream([GenerateChunk(tuple(map(ord, "ab")), replica_id="r"),
-                         GenerateChunk(tuple(map(ord, "cXYd"))),
-                         GenerateChunk(tuple(map(ord, "never")), finished=True)])
+    stream = FakeStream(
+        [
+            GenerateChunk(tuple(map(ord, "ab")), replica_id="r"),
+            GenerateChunk(tuple(map(ord, "cXYd"))),
+            GenerateChunk(tuple(map(ord, "never")), finished=True),
+        ]
+    )
     generation, calls = make(stream, stop=["XY"])
     deltas = await collect(generation)
     assert "".join(d.text for d in deltas) == "abc"
@@ -76,8 +85,9 @@ async def test_a_stop_string_cuts_the_text_and_aborts_the_stream() -> None:
 
 
 async def test_a_failure_mid_stream_still_ends_the_request() -> None:
-    stream = FakeStream([GenerateChunk((ord("a"),), replica_id="r"),
-                         GenerateChunk((ord("b"),))], fail_after=1)
+    stream = FakeStream(
+        [GenerateChunk((ord("a"),), replica_id="r"), GenerateChunk((ord("b"),))], fail_after=1
+    )
     generation, calls = make(stream)
     await generation.first()
     with pytest.raises(RuntimeError):

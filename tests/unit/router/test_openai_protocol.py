@@ -20,12 +20,21 @@ def test_valid_requests_parse() -> None:
     request = parse_body(body(model="m", prompt="hi", max_tokens=3, stop="x"), CompletionRequest)
     assert (request.prompt, request.max_tokens, request.stop_strings()) == ("hi", 3, ["x"])
     chat = parse_body(
-        body(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                               {"type": "text", "text": "b"}]}]),
+        body(
+            model="m",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+        ),
         ChatCompletionRequest,
     )
     assert chat.messages[0].text() == "ab"
-    assert parse_body(body(model="m", prompt=[1, 2], unknown_field=1), CompletionRequest).prompt == [1, 2]
+    assert parse_body(
+        body(model="m", prompt=[1, 2], unknown_field=1), CompletionRequest
+    ).prompt == [1, 2]
 
 
 @pytest.mark.parametrize(
@@ -57,8 +66,10 @@ def test_bad_chat_bodies() -> None:
         (body(model="m", messages=[]), "messages"),
         (body(model="m", messages=[{"role": "wizard", "content": "x"}]), "messages"),
         (body(model="m", messages="hi"), "messages"),
-        (body(model="m", messages=[{"role": "user", "content": "x"}], max_completion_tokens=0),
-         "max_completion_tokens"),
+        (
+            body(model="m", messages=[{"role": "user", "content": "x"}], max_completion_tokens=0),
+            "max_completion_tokens",
+        ),
     ]:
         with pytest.raises(APIError) as caught:
             parse_body(raw, ChatCompletionRequest)
