@@ -20,7 +20,7 @@ from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.replica.engines.base import Engine, EngineRequest
 from prefixmesh.replica.holds import InflightPrefills
 from prefixmesh.replica.publisher import EventPublisher, EventTarget
-from prefixmesh.wire import GenerateChunk, GenerateRequest
+from prefixmesh.wire import GenerateChunk, GenerateRequest, HoldInstruction
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,9 @@ class ReplicaServer:
         else:
             target = IngressEventTarget(self.config.app_name, ingress_name)
         self.inflight = InflightPrefills()
+        policy = self.config.routing.prefixmesh
+        self._holds_enabled = policy.holds_enabled
+        self._hold_min_blocks = max(1, policy.hold_min_tokens // self.config.cache.block_size)
         self.engine = make_engine(self.config, model_path, rank, self._on_changes)
         self.publisher = EventPublisher(
             self.replica_id,
@@ -128,13 +131,12 @@ class ReplicaServer:
         held_s = 0.0
         in_prefill = True
         try:
-            if request.hold is not None:
+            hold = self._hold_for(request)
+            if hold is not None:
                 started = time.monotonic()
-                await self.inflight.wait(
-                    request.block_hashes, request.hold.num_blocks, request.hold.max_wait_s
-                )
+                await self.inflight.wait(request.block_hashes, hold.num_blocks, hold.max_wait_s)
                 held_s = time.monotonic() - started
-            self.inflight.started(rid, request.block_hashes)
+            self.inflight.started(rid, request.block_hashes, len(request.prompt_token_ids))
             engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling)
             async for chunk in self.engine.generate(engine_request):
                 if in_prefill:
@@ -155,6 +157,31 @@ class ReplicaServer:
             self._prefill_tokens.pop(rid, None)
             if not in_prefill:
                 self._running -= 1
+
+    def _hold_for(self, request: GenerateRequest) -> HoldInstruction | None:
+        """The router's hold, or the replica's own; the longer bound of the two, since the
+        replica sees its in-flight prefill directly while the router estimated it."""
+        own = self._own_hold(request)
+        if request.hold is None or own is None:
+            return request.hold or own
+        return HoldInstruction(
+            max(request.hold.num_blocks, own.num_blocks),
+            max(request.hold.max_wait_s, own.max_wait_s),
+        )
+
+    def _own_hold(self, request: GenerateRequest) -> HoldInstruction | None:
+        """Delay-hit deferral the replica applies on its own: a request that shares a long
+        prefix with a prefill running here now would compute the same blocks again in the same
+        batch (vLLM does not deduplicate them); waiting for them costs about the same time and
+        saves the work. The router's hold, when it sent one, carries its own bound."""
+        if not self._holds_enabled:
+            return None
+        found = self.inflight.longest_shared(request.block_hashes)
+        if found is None or found[1] < self._hold_min_blocks:
+            return None
+        prefill, shared = found
+        rate = float(self.engine.capacity().get("prefill_tokens_per_s", 0.0)) or 1.0
+        return HoldInstruction(shared, 2.0 * prefill.prompt_tokens / rate + 0.05)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Load for routing, plus counters for tests and benchmarks (Serve polls this)."""

@@ -18,7 +18,21 @@ from prefixmesh.cache_registry.types import BlockHash
 @dataclass
 class _Prefill:
     block_hashes: tuple[BlockHash, ...]
+    prompt_tokens: int = 0
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def shared_blocks(a: tuple[BlockHash, ...], b: tuple[BlockHash, ...]) -> int:
+    """Leading blocks two chains share. Chained hashes are equal at i only if equal before
+    i, so a binary search finds the boundary in O(log n) comparisons."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[middle - 1] == b[middle - 1]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 class InflightPrefills:
@@ -27,8 +41,10 @@ class InflightPrefills:
         self.holds = 0
         self.hold_timeouts = 0
 
-    def started(self, request_id: str, block_hashes: tuple[BlockHash, ...]) -> None:
-        self._prefills[request_id] = _Prefill(block_hashes)
+    def started(
+        self, request_id: str, block_hashes: tuple[BlockHash, ...], prompt_tokens: int = 0
+    ) -> None:
+        self._prefills[request_id] = _Prefill(block_hashes, prompt_tokens)
 
     def finished(self, request_id: str) -> None:
         """The request's prefill is done (first token), or it ended without one."""
@@ -48,6 +64,15 @@ class InflightPrefills:
             ):
                 return prefill
         return None
+
+    def longest_shared(self, block_hashes: tuple[BlockHash, ...]) -> tuple[_Prefill, int] | None:
+        """The prefill in progress sharing the most leading blocks with this request."""
+        best: tuple[_Prefill, int] | None = None
+        for prefill in self._prefills.values():
+            shared = shared_blocks(prefill.block_hashes, block_hashes)
+            if shared and (best is None or shared > best[1]):
+                best = (prefill, shared)
+        return best
 
     async def wait(
         self, block_hashes: tuple[BlockHash, ...], num_blocks: int, max_wait_s: float

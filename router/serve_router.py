@@ -23,6 +23,7 @@ from prefixmesh.cache_registry.factory import make_memory_state, make_registry
 from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.types import BlockHash, PrefixHit, PrefixKey, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.router.ledger import LedgerLoad
 from prefixmesh.router.local_state import LocalRouterState, local_state
 from prefixmesh.router.policy import make_policy
 from prefixmesh.router.policy.base import (
@@ -80,6 +81,7 @@ class PrefixmeshRequestRouter(RequestRouter):
             tp_degree=vllm.tensor_parallel_size,
         )
         self._deadline_s = config.registry.lookup_deadline_ms / 1000
+        self._sole_router = config.ingress.num_replicas == 1
         self._remote: CacheRegistry | None = None  # the Redis client, made on the router loop
         self._background: set[asyncio.Task[Any]] = set()
         self._rng = random.Random()
@@ -160,14 +162,19 @@ class PrefixmeshRequestRouter(RequestRouter):
         for replica in candidates:
             replica_id = ReplicaId(replica.replica_id.unique_id)
             stats = replica.routing_stats or {}
-            own = ledger.get(replica_id)
-            queued = int(stats.get("queued_requests", 0))
-            running = int(stats.get("running_requests", 0))
-            pending = int(stats.get("pending_prefill_tokens", 0))
-            if own is not None:  # reports lag; what this router sent since is certain
-                queued = max(queued, own.queued_requests)
-                running = max(running, own.running_requests)
-                pending = max(pending, own.pending_prefill_tokens)
+            own = ledger.get(replica_id) or LedgerLoad()
+            if self._sole_router:
+                # Every request to the replicas passes through this ingress: the ledger is
+                # exact and current, while a report can be a second old (a stale report would
+                # charge a replica for requests it has finished, and push its prefix away).
+                queued, running = own.queued_requests, own.running_requests
+                pending = own.pending_prefill_tokens
+            else:  # other ingresses route too: their load is only in the (lagging) reports
+                queued = max(int(stats.get("queued_requests", 0)), own.queued_requests)
+                running = max(int(stats.get("running_requests", 0)), own.running_requests)
+                pending = max(
+                    int(stats.get("pending_prefill_tokens", 0)), own.pending_prefill_tokens
+                )
             capacity = capacity_from_stats(stats, self._default_capacity)
             active_blocks = int(float(stats.get("kv_usage", 0.0)) * capacity.kv_blocks)
             snapshots.append(

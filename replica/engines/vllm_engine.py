@@ -113,6 +113,8 @@ class VllmEngine:
             enable_prefix_caching=True,
             enforce_eager=s.enforce_eager,
             tensor_parallel_size=s.tensor_parallel_size,
+            # TP workers go into the replica's placement-group bundles (prefixmesh.app).
+            distributed_executor_backend="ray" if s.tensor_parallel_size > 1 else None,
             kv_cache_memory_bytes=s.kv_cache_bytes,
             max_num_batched_tokens=s.max_num_batched_tokens,
             seed=s.seed,

@@ -39,3 +39,18 @@ async def test_a_hold_is_bounded_and_nothing_to_wait_for_returns_at_once() -> No
     inflight.started("a", LONG)
     assert await inflight.wait(SIBLING, 4, max_wait_s=0.05) is True
     assert inflight.hold_timeouts == 1
+
+
+def test_shared_blocks_and_the_longest_prefill() -> None:
+    from prefixmesh.replica.holds import shared_blocks
+
+    assert shared_blocks(LONG, SIBLING) == 4
+    assert shared_blocks(LONG, LONG) == 6
+    assert shared_blocks(LONG, OTHER) == 0
+    assert shared_blocks((), LONG) == 0
+    inflight = InflightPrefills()
+    assert inflight.longest_shared(SIBLING) is None
+    inflight.started("a", LONG, 12)
+    inflight.started("b", SIBLING[:2], 4)
+    found = inflight.longest_shared(SIBLING)
+    assert found is not None and found[1] == 4 and found[0].prompt_tokens == 12

@@ -1,0 +1,38 @@
+"""A registry that cannot be reached degrades routing; it never fails a request."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from prefixmesh.cache_registry.redis_server import free_port
+from tests.e2e.conftest import Cluster, Deploy
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: Cluster, deploy: Deploy) -> Iterator[Cluster]:
+    nothing_listens = f"redis://127.0.0.1:{free_port()}/0"
+    deploy(
+        "replica.engine=sim",
+        "replica.num_replicas=2",
+        "registry.backend=redis",
+        f"registry.redis_url={nothing_listens}",
+    )
+    yield ray_cluster
+
+
+def test_requests_succeed_with_the_registry_down(cluster: Cluster) -> None:
+    for i in range(6):
+        response = httpx.post(
+            f"{cluster.base_url}/v1/completions",
+            timeout=60,
+            json={"model": "demo-tiny", "prompt": f"hello {i}", "max_tokens": 3},
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 3
+    metrics = httpx.get(f"{cluster.base_url}/metrics", timeout=30).text
+    assert "prefixmesh_routing_fallbacks_total 0" in metrics  # degraded, not crashed
