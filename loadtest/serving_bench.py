@@ -29,6 +29,10 @@ from prefixmesh.loadtest.workloads import GroupsWorkload, WorkloadRequest
 
 VOCAB = 8192  # the demo model's
 BOS = 0
+KV_BYTES_PER_TOKEN = {
+    "tiny": 4 * 2 * 64 * 2 * 2,  # layers x KV heads x head dim x (K, V) x bf16: 2 KiB
+    "small": 12 * 4 * 64 * 2 * 2,  # 12 KiB
+}
 
 
 @dataclass(frozen=True)
@@ -264,7 +268,20 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         "--kv-tokens",
         type=int,
         default=None,
-        help="engine KV cache per replica in tokens (default: half the groups)",
+        help="engine KV cache per replica in tokens (default: half the groups' prefixes "
+        "plus --running-room prompts)",
+    )
+    parser.add_argument(
+        "--model-size",
+        choices=sorted(KV_BYTES_PER_TOKEN),
+        default="tiny",
+        help="demo model (vllm engine)",
+    )
+    parser.add_argument(
+        "--running-room",
+        type=int,
+        default=2,
+        help="prompts the default KV size leaves room for, beyond the prefixes",
     )
     parser.add_argument("--policies", default="prefixmesh,pow2")
     parser.add_argument("--seed", type=int, default=0)
@@ -282,13 +299,18 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
 
 
 def kv_settings(args: argparse.Namespace, block_size: int) -> list[str]:
-    """Size each replica's engine cache to hold about half of the groups' prefixes."""
-    kv_tokens = args.kv_tokens or args.groups * args.group_tokens // 2
-    kv_blocks = max(1, kv_tokens // block_size)
+    """Size each replica's engine cache to hold about half of the groups' prefixes, plus room
+    for the requests it runs at once (their prompts and outputs live in the same cache): with
+    one perfect partition of the groups every prefix stays cached, with random routing each
+    replica sees every group and evicts half of them over and over."""
+    prompt = args.group_tokens + args.question_tokens + 1 + args.max_tokens
+    kv_tokens = args.kv_tokens or (
+        args.groups * args.group_tokens // 2 + args.running_room * prompt
+    )
+    kv_blocks = max(1, -(-kv_tokens // block_size))
     if args.engine == "sim":
         return [f"replica.sim.kv_blocks={kv_blocks}"]
-    # The demo model keeps 2 KiB of KV per token (4 layers x 2 KV heads x 64 x K,V x bf16).
-    gib = kv_blocks * block_size * 2048 / 2**30
+    gib = kv_blocks * block_size * KV_BYTES_PER_TOKEN[args.model_size] / 2**30
     return [f"replica.vllm.kv_cache_gib={gib:.6f}", "replica.vllm.max_model_len=2048"]
 
 
@@ -310,6 +332,7 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
     prompts = [render(r) for r in workload]
     port = free_port()
     base = [
+        f"replica.demo_model_size={args.model_size}",
         f"replica.engine={args.engine}",
         f"replica.num_replicas={args.replicas}",
         f"ingress.port={port}",

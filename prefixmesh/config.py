@@ -194,12 +194,14 @@ class VllmConfig(_Section):
     engine binds to core 0 and two replicas share one core (DESIGN.md §7)."""
     max_num_batched_tokens: int = Field(default=8192, gt=0)
     """Per-step token budget of vLLM's scheduler."""
+    calibrate: bool = True
+    """Measure each replica's prefill rate and decode step at start (about a second) and
+    report those to the router instead of the two values below."""
     prefill_tokens_per_s: float = Field(default=30_000.0, gt=0)
-    """Prefill rate the router assumes for one replica: the tiny demo model on one core of
-    this machine prefills 2,000 tokens in ~62 ms (DESIGN.md §7). Set it from a measurement
-    for another model or machine."""
+    """Prefill rate assumed before (or without) calibration: the tiny demo model on one core
+    of this machine prefills 2,000 tokens in ~62 ms (DESIGN.md §7)."""
     decode_step_s: float = Field(default=0.005, gt=0)
-    """Decode step time the router assumes (the tiny model streams a token every ~5 ms)."""
+    """Decode step assumed before (or without) calibration (tiny model: ~5 ms)."""
 
 
 class SimEngineConfig(_Section):

@@ -66,6 +66,7 @@ def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any)
             max_num_batched_tokens=vllm.max_num_batched_tokens,
             prefill_tokens_per_s=vllm.prefill_tokens_per_s,
             decode_step_s=vllm.decode_step_s,
+            calibrate=vllm.calibrate,
         )
         return VllmEngine(settings, hasher, sink)
     from prefixmesh.replica.engines.sim_engine import SimEngine

@@ -43,7 +43,9 @@ class VllmEngineSettings:
     max_num_batched_tokens: int = 8192
     seed: int = 0
     prefill_tokens_per_s: float = 30_000.0
+    """Used until (or instead of) the start-up calibration measures it."""
     decode_step_s: float = 0.005
+    calibrate: bool = True
 
 
 class _StatsCapture:
@@ -87,6 +89,8 @@ class VllmEngine:
         self._engine: Any = None
         self._events_task: asyncio.Task[None] | None = None
         self._socket: Any = None
+        self._prefill_tokens_per_s = settings.prefill_tokens_per_s
+        self._decode_step_s = settings.decode_step_s
 
     async def start(self) -> None:
         import zmq
@@ -127,7 +131,41 @@ class VllmEngine:
             args, stat_loggers=[_stat_logger_factory(self._stats)]
         )
         self.kv_blocks = int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
-        logger.info("vLLM engine ready: %d KV blocks of %d", self.kv_blocks, s.block_size)
+        if s.calibrate:
+            await self._calibrate()
+        logger.info(
+            "vLLM engine ready: %d KV blocks of %d; prefill %.0f tokens/s, decode step %.1f ms",
+            self.kv_blocks,
+            s.block_size,
+            self._prefill_tokens_per_s,
+            self._decode_step_s * 1e3,
+        )
+
+    async def _calibrate(self) -> None:
+        """Measure this engine's prefill rate and decode step on this machine, so the router
+        weighs replicas by what they do rather than by a guess (and warm the engine up: the
+        first prefill after start is several times slower)."""
+        import time
+
+        from prefixmesh.wire import SamplingSettings
+
+        vocab = int(self._engine.model_config.get_vocab_size())
+        length = min(1024, self.settings.max_model_len // 2)
+
+        def prompt(salt: int) -> tuple[int, ...]:
+            return tuple(3 + (i * 7919 + salt * 104729) % (vocab - 3) for i in range(length))
+
+        async def run(request_id: str, ids: tuple[int, ...], tokens: int) -> list[float]:
+            params = SamplingSettings(max_tokens=tokens, ignore_eos=True)
+            chunks = self.generate(EngineRequest(request_id, ids, params))
+            return [time.perf_counter() async for _ in chunks]
+
+        await run("calibrate-warmup", prompt(1), 2)
+        started = time.perf_counter()
+        stamps = await run("calibrate-prefill", prompt(2), 17)
+        self._prefill_tokens_per_s = length / max(stamps[0] - started, 1e-6)
+        self._decode_step_s = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+        await self._engine.reset_prefix_cache()
 
     async def _consume_events(self) -> None:
         import msgspec
@@ -177,8 +215,8 @@ class VllmEngine:
     def capacity(self) -> dict[str, float]:
         s = self.settings
         return {
-            "prefill_tokens_per_s": s.prefill_tokens_per_s,
-            "decode_step_s": s.decode_step_s,
+            "prefill_tokens_per_s": self._prefill_tokens_per_s,
+            "decode_step_s": self._decode_step_s,
             "max_batch_tokens": s.max_num_batched_tokens,
             "kv_blocks": self.kv_blocks,
             "tp_degree": s.tensor_parallel_size,
