@@ -115,12 +115,12 @@ class PrefixmeshPolicyConfig(_Section):
     """Hold only when at least this many tokens of the prefix are in flight (Strata: 100)."""
     hold_wait_factor: float = Field(default=2.0, gt=0)
     """Bound on a hold, as a multiple of the in-flight prefix's expected prefill time."""
-    overload_wait_s: float = Field(default=1.0, ge=0)
+    overload_wait_s: float = Field(default=3.0, ge=0)
     """Per-candidate guard: a replica whose estimated queue wait exceeds the least-loaded
     candidate's by more than this is skipped, whatever it holds."""
-    near_best_rel: float = Field(default=0.05, ge=0)
+    near_best_rel: float = Field(default=0.0, ge=0)
     """Replicas within this fraction of the best estimated TTFT count as ties ..."""
-    near_best_abs_s: float = Field(default=0.002, ge=0)
+    near_best_abs_s: float = Field(default=0.001, ge=0)
     """... or within this many seconds; one tie is picked at random (no herding)."""
     affinity_slack_s: float = Field(default=0.01, ge=0)
     """A hot group's request also spills off its members when the best member's estimate is
@@ -132,6 +132,12 @@ class PrefixmeshPolicyConfig(_Section):
     affinity_max_groups: int = Field(default=4096, ge=1)
     """Hot groups whose replica count is remembered (least recently routed forgotten first); a
     forgotten group restarts from its measured rate, so the bound only costs hysteresis."""
+    affinity_rate_half_life_s: float = Field(default=30.0, gt=0)
+    """Half-life of the registry's group counters (keep equal to
+    registry.hotness_half_life_s): the policy divides out their warm-up bias with it."""
+    affinity_warmup_max_boost: float = Field(default=4.0, ge=1)
+    """Most a young group's rate is scaled up for the counter's warm-up (1 = no correction);
+    4 trusts a counter from 0.4 half-lives on."""
     ring_vnodes: int = Field(default=160, ge=1)
     """Points per replica on the affinity ring (uhashring's default): enough for an even share
     of groups per replica at 64 replicas, cheap to rebuild when the fleet changes."""
@@ -155,6 +161,27 @@ class PrefixmeshPolicyConfig(_Section):
     overload_wait_rel: float = Field(default=1.5, ge=1)
     """The guard also needs the queue wait above this multiple of the least-loaded one's
     (SGLang's balance_rel_threshold): a uniformly backlogged fleet keeps its affinity."""
+    queue_externality: float = Field(default=1.0, ge=0)
+    """Weight of the delay a request's first chunk adds to the requests already waiting for
+    their first token on a replica (they share its step). 1 = theirs counts as much as its
+    own: the estimate then minimises the sum of TTFTs, not this request's alone."""
+    hold_memory: int = Field(default=8, ge=0)
+    """In-flight prompts remembered per replica (when their blocks should be ready) to price
+    a sibling's hold there; 0 = price holds by the replica's queue wait alone."""
+    ranking_depth: int = Field(default=8, ge=1)
+    """Replicas in a decision's ranking: the chosen one, then the next best by cost. The
+    adapter tries them in order; if all refuse it asks again with fresh load."""
+    decode_cost_window: int = Field(default=256, ge=0)
+    """Finished requests (exponentially weighted) behind the learned step time a running
+    request adds (``decode_cost.py``); 0 = do not learn, charge one token's compute."""
+    decode_cost_max: float = Field(default=10.0, ge=1)
+    """Cap on the learned running cost, in token computes per step."""
+    decode_cost_min_output_tokens: int = Field(default=16, ge=2)
+    """Only requests generating at least this many tokens give a step-time sample (over
+    fewer, the error of the TTFT estimate dominates)."""
+    decode_cost_max_tracked: int = Field(default=65_536, ge=1)
+    """Routed requests awaiting their finish for a sample, at most (oldest dropped: an
+    adapter that reports no finishes costs this much memory, no more)."""
     decode_batch_size: int = Field(default=32, ge=1)
     """Requests sharing one decode step on a busy replica: a generated token costs
     decode_step_s / this of busy time when sizing affinity groups (tune per engine)."""

@@ -16,6 +16,12 @@ on the ring, a change of k moves one replica in or out, never reshuffles the gro
 
 Only hot groups (k >= 2) are remembered, least recently seen forgotten first beyond
 ``affinity_max_groups``; a forgotten group restarts from its measured rate.
+
+Warm-up: the registry's decayed counter of a group that started t seconds ago reads only
+1 - 2**(-t / half_life) of its steady rate (a blog-like hot prompt at 30 s half-life is sized at
+half its traffic after 30 s, and squeezed onto too few replicas meanwhile). ``observed`` divides
+that bias out, using when this router first saw the group, capped at ``max_warmup_boost``. A
+router that joins late over-sizes a known group for a half-life or two, which costs a copy.
 """
 
 from __future__ import annotations
@@ -30,13 +36,41 @@ _MAX_NEEDED = 1e9
 
 
 class AffinityGroups:
-    def __init__(self, *, target_utilization: float, hysteresis: float, max_groups: int) -> None:
+    def __init__(
+        self,
+        *,
+        target_utilization: float,
+        hysteresis: float,
+        max_groups: int,
+        rate_half_life_s: float = 30.0,
+        max_warmup_boost: float = 1.0,
+    ) -> None:
         if not 0 < target_utilization <= 1:
             raise ValueError(f"target_utilization must be in (0, 1], got {target_utilization}")
+        if not rate_half_life_s > 0 or not max_warmup_boost >= 1:
+            raise ValueError("rate_half_life_s must be > 0 and max_warmup_boost >= 1")
         self._target = target_utilization
         self._hysteresis = hysteresis
         self._max_groups = max_groups
+        self._half_life_s = rate_half_life_s
+        self._max_boost = max_warmup_boost
         self._sizes: OrderedDict[BlockHash, int] = OrderedDict()
+        self._first_seen: OrderedDict[BlockHash, float] = OrderedDict()
+
+    def observed(self, group: BlockHash, rate: float, now_s: float) -> float:
+        """The group's registry rate with the decayed counter's warm-up bias divided out."""
+        first_seen = self._first_seen
+        first = first_seen.get(group)
+        if first is None:
+            first = first_seen[group] = now_s
+            if len(first_seen) > self._max_groups:
+                first_seen.popitem(last=False)
+        else:
+            first_seen.move_to_end(group)
+        if self._max_boost <= 1.0 or not rate > 0:
+            return rate
+        filled = -math.expm1(-(now_s - first) / self._half_life_s * math.log(2))
+        return rate / filled if filled * self._max_boost > 1.0 else rate * self._max_boost
 
     def needed(self, rate: float) -> float:
         """Replicas' worth of capacity a group with this traffic needs at the target."""

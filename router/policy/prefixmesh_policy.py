@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
-from prefixmesh.cache_registry.types import BlockHash, ReplicaId
+from prefixmesh.cache_registry.types import BlockHash, PrefixHit, ReplicaId
 from prefixmesh.config import PrefixmeshPolicyConfig
 from prefixmesh.router.policy.affinity import AffinityGroups
 from prefixmesh.router.policy.base import (
@@ -48,16 +49,21 @@ from prefixmesh.router.policy.base import (
     RouteDecision,
     RouteRequest,
 )
+from prefixmesh.router.policy.decode_cost import DecodeCost
 from prefixmesh.router.policy.load import require_replicas
 from prefixmesh.router.policy.ring import ReplicaRing
-from prefixmesh.router.policy.ttft import CandidateEstimates, Holder, TtftModel
+from prefixmesh.router.policy.ttft import CandidateEstimates, TtftModel
 
 _REFERENCE_REFRESH = 64
 """Decisions between refreshes of the fleet's average replica (``traffic_weight``'s unit):
 capacity changes slowly, and a full pass over the fleet per decision would cost ~3 us."""
 
 
-_replica_id = attrgetter("replica_id")  # builds the ranking at C speed
+_replica_id = attrgetter("replica_id")
+
+InFlight = tuple[tuple[BlockHash, ...], int, float]
+"""A prompt a replica was sent to compute: (its block hashes, the first block it computes, when
+its first token, and so its blocks, should be ready)."""
 
 
 def fleet_reference(replicas: Sequence[ReplicaSnapshot]) -> tuple[float, float]:
@@ -83,11 +89,14 @@ class PrefixmeshPolicy:
             min_prefill_share=config.min_prefill_share,
             cpu_fallback_credit=config.cpu_fallback_credit,
             disk_fallback_credit=config.disk_fallback_credit,
+            queue_externality=config.queue_externality,
         )
         self.groups = AffinityGroups(
             target_utilization=config.affinity_target_utilization,
             hysteresis=config.affinity_hysteresis,
             max_groups=config.affinity_max_groups,
+            rate_half_life_s=config.affinity_rate_half_life_s,
+            max_warmup_boost=config.affinity_warmup_max_boost,
         )
         self.ring = ReplicaRing(config.ring_vnodes)
         self._reference: tuple[float, float] | None = None
@@ -96,9 +105,23 @@ class PrefixmeshPolicy:
         self._decisions = 0
         self._fleet_backlog_s = 0.0
         """The least-loaded candidate's queued prefill at the previous decision."""
-        self._last_decision: tuple[str, int, list[Holder]] | None = None
-        """(request id, chosen index, holders) of the last decision, so the adapter's
-        ``traffic_weight`` call right after ``route`` weighs the work the chosen replica does."""
+        self._last_decision: tuple[str, int] | None = None
+        """(request id, tokens the chosen replica computes) of the last decision, so the
+        adapter's ``traffic_weight`` call right after ``route`` weighs the work done there."""
+        self.decode_cost = (
+            DecodeCost(
+                window=config.decode_cost_window,
+                max_cost=config.decode_cost_max,
+                min_output_tokens=config.decode_cost_min_output_tokens,
+                max_tracked=config.decode_cost_max_tracked,
+            )
+            if config.decode_cost_window > 0
+            else None
+        )
+        self._memory_size = config.hold_memory
+        self._in_flight: dict[ReplicaId, deque[InFlight]] = {}
+        """Per replica, the last prompts it was sent to compute (at least ``hold_min_tokens``):
+        what a sibling's hold there waits for, and when it should be ready."""
 
     # ---- groups and their traffic ------------------------------------------------------------
 
@@ -115,24 +138,25 @@ class PrefixmeshPolicy:
 
         Prefill: the tokens its replica must compute (known exactly right after ``route``; else
         the prompt beyond the group head, which the group's members hold). Decode: each output
-        token costs one decode step shared by ``decode_batch_size`` requests. 0 before the first
-        decision, when nothing is known about the fleet.
+        token costs its share of a decode step's fixed part (shared by ``decode_batch_size``
+        requests) plus what a running request adds to every step (the learned running cost, in
+        token computes: ``decode_cost.py``). 0 before the first decision, when nothing is known
+        about the fleet.
         """
         if self._reference is None:
             return 0.0
         peak_rate, decode_step_s = self._reference
         last = self._last_decision
         if last is not None and last[0] == request.request_id:
-            _, chosen, holders = last
-            prefill_tokens = next(
-                (uncached for index, _, _, uncached in holders if index == chosen),
-                request.prompt_tokens,
-            )
+            prefill_tokens = last[1]
         else:
             head = self._group_blocks * self._block_size
             prefill_tokens = max(request.prompt_tokens - head, min(request.prompt_tokens, 1))
         prefill_s = max(prefill_tokens, 0) / peak_rate if peak_rate > 0 else 0.0
-        decode_s = max(request.output_tokens, 0) * decode_step_s / self.config.decode_batch_size
+        per_token_s = decode_step_s / self.config.decode_batch_size
+        if peak_rate > 0:
+            per_token_s += self.model.running_cost / peak_rate
+        decode_s = max(request.output_tokens, 0) * per_token_s
         return prefill_s + max(decode_s, 0.0)
 
     # ---- the decision ------------------------------------------------------------------------
@@ -155,8 +179,16 @@ class PrefixmeshPolicy:
         # requests, so the price grows with that backlog and affinity wins over a slightly
         # shorter wait. The backlog is the one measured at the previous decision: it moves
         # slowly, and pricing in the same pass saves a second one over the fleet.
-        penalty = config.recompute_penalty + self._fleet_backlog_s / config.pressure_wait_s
-        estimates = self.model.estimate(request, replicas, view.hits, penalty)
+        price = config.recompute_penalty + self._fleet_backlog_s / config.pressure_wait_s
+        if self.decode_cost is not None:
+            self.model.running_cost = self.decode_cost.value
+        hits = view.hits
+        group_members = self._members(request, replicas, view, now_s)
+        members = None
+        if group_members is not None:
+            members, member_ids = group_members
+            hits = self._as_if_held(hits, member_ids)
+        estimates = self.model.estimate(request, replicas, hits, price)
         backlog_s = estimates.least_backlog_s
         self._fleet_backlog_s = backlog_s if backlog_s == backlog_s else 0.0  # NaN: forget
         cost = estimates.cost
@@ -170,134 +202,311 @@ class PrefixmeshPolicy:
             # thresholds): under a fleet-wide backlog a holder a little further behind keeps
             # its traffic, instead of forcing recomputes that deepen the backlog everywhere.
             limit = max(least_wait + config.overload_wait_s, least_wait * config.overload_wait_rel)
-        candidates, reason = self._candidates(request, replicas, view, estimates, cost, limit)
-        if not candidates:  # every wait NaN: nothing to compare, anyone will do
-            candidates = list(range(len(replicas)))
-        order = sorted(candidates, key=cost.__getitem__)  # ties keep candidate order
-        best = cost[order[0]]
-        near_bound = best + abs(best) * config.near_best_rel + config.near_best_abs_s
+        candidates, reason = self._candidates(replicas, view.hits, estimates, limit, members)
+        # One sort of the candidates by cost gives the best one, the near-best band (a prefix
+        # of the order) and the ranking.
+        if candidates is None:
+            order = sorted(range(len(cost)), key=cost.__getitem__)
+        else:
+            if not candidates:  # every wait NaN: nothing to compare, anyone will do
+                candidates = list(range(len(replicas)))
+            order = sorted(candidates, key=cost.__getitem__)
+        best_cost = cost[order[0]]
+        near_bound = best_cost + abs(best_cost) * config.near_best_rel + config.near_best_abs_s
         held = None
         if estimates.any_speculative and config.holds_enabled:
-            held = self._hold_candidate(request, estimates, cost, limit, near_bound)
+            held = self._hold_candidate(request, replicas, estimates, near_bound, now_s)
         if held is not None:
             # The hold binds to the chosen replica only; the other candidates stay in the
             # ranking as plain fallbacks should the adapter be unable to send it there.
             (chosen, hold), reason = held, "hold"
         else:
             hold = None
-            chosen = self._pick_near_best(order, cost, near_bound)
-        if order[0] != chosen:
-            if chosen in order:
-                order.remove(chosen)
-            order.insert(0, chosen)  # a held request may go outside its hot group
-        self._last_decision = (request.request_id, chosen, estimates.holders)
-        ranking = tuple(zip(map(_replica_id, map(replicas.__getitem__, order)), strict=True))
-        return RouteDecision(ranking, hold=hold, reason=reason)
+            chosen = self._pick_near_best(replicas, order, cost, near_bound)
+        uncached = self._uncached(request, replicas[chosen], view.hits)
+        self._note(request, replicas[chosen], waits[chosen], uncached, hold is None, now_s)
+        self._last_decision = (request.request_id, uncached)
+        return RouteDecision(self._ranking(replicas, order, chosen), hold, reason)
+
+    def _ranking(
+        self, replicas: Sequence[ReplicaSnapshot], order: list[int], chosen: int
+    ) -> tuple[tuple[ReplicaId, ...], ...]:
+        """The chosen replica, then the next ``ranking_depth - 1`` candidates by cost."""
+        top = order[: self.config.ranking_depth]
+        if top[0] != chosen:
+            if chosen in top:
+                top.remove(chosen)
+            elif len(top) == self.config.ranking_depth:
+                top.pop()
+            top.insert(0, chosen)  # a held request may go outside its hot group
+        return tuple([(replicas[i].replica_id,) for i in top])
+
+    def _uncached(
+        self, request: RouteRequest, snapshot: ReplicaSnapshot, hits: Mapping[ReplicaId, PrefixHit]
+    ) -> int:
+        """Prompt tokens the replica will compute (by what the registry says it holds)."""
+        hit = hits.get(snapshot.replica_id) if hits else None
+        if hit is None or hit.num_blocks <= 0:
+            return max(request.prompt_tokens, 0)
+        saved, _ = self.model.held(hit, snapshot.capacity, len(request.key.block_hashes))
+        return self.model.uncached(request, saved)
 
     def _candidates(
         self,
-        request: RouteRequest,
         replicas: Sequence[ReplicaSnapshot],
-        view: RegistryView,
+        hits: Mapping[ReplicaId, PrefixHit],
         estimates: CandidateEstimates,
-        cost: list[float],
         limit: float,
-    ) -> tuple[list[int], str]:
-        """Where the request may go: its hot group's members the guard keeps, else every
-        replica the guard keeps; and the reason to report.
+        members: tuple[int, ...] | None,
+    ) -> tuple[list[int] | None, str]:
+        """Where the request may go: its hot group's members and other holders of the group
+        head that the guard keeps, else every replica the guard keeps (None: every replica);
+        and the reason to report.
 
-        A hot group spills when the guard rejects all its members, and also when its best
-        member's cost exceeds the best replica's by more than ``affinity_slack_s``: members
-        that are busy with other work must not queue the group while a replica that would
-        even recompute the prefix answers sooner (the spill target then holds a copy, and
-        the group's rate soon buys it more members).
+        A hot group spills when the guard rejects all of those, and also when the best of them
+        costs more than the best replica by ``affinity_slack_s``: members that are busy with
+        other work must not queue the group while a replica that would even recompute the
+        prefix answers sooner (the spill target then holds a copy, and the group's rate soon
+        buys it more members). Holders outside the members stay candidates: their copy exists
+        already, and only new copies are kept within the members (bounded replication).
         """
         waits = estimates.queue_wait_s
-        group = self.prefix_group(request) if self.config.affinity_enabled else None
-        if group is not None:
-            k = min(self.groups.size(group, view.group_rate), len(replicas))
-            if k >= 2:
-                self.ring.sync(list(map(_replica_id, replicas)))
-                inside = [i for i in self.ring.member_positions(group, k) if waits[i] <= limit]
-                if max(waits) <= limit:
-                    kept, best_kept = list(range(len(waits))), min(cost)
-                else:
-                    kept = [i for i, wait in enumerate(waits) if wait <= limit]
-                    best_kept = min(map(cost.__getitem__, kept))
-                if inside and (
-                    min(map(cost.__getitem__, inside)) <= best_kept + self.config.affinity_slack_s
-                ):
-                    return inside, "affinity"
-                return kept, "spill"
-        if max(waits) <= limit:  # the common case: nobody overloaded
-            return list(range(len(waits))), "least_ttft"
+        cost = estimates.cost
+        nobody_overloaded = max(waits) <= limit
+        if members is not None:
+            inside = [i for i in members if waits[i] <= limit]
+            if hits:
+                head = self._group_blocks
+                position = self.ring.positions.get
+                for replica_id, hit in hits.items():
+                    if hit.num_blocks >= head:
+                        index = position(replica_id)
+                        if index is not None and index not in members and waits[index] <= limit:
+                            inside.append(index)
+            if nobody_overloaded:
+                kept, best_kept = None, min(cost)
+            else:
+                kept = [i for i, wait in enumerate(waits) if wait <= limit]
+                best_kept = min(map(cost.__getitem__, kept))
+            if inside and (
+                min(map(cost.__getitem__, inside)) <= best_kept + self.config.affinity_slack_s
+            ):
+                return inside, "affinity"
+            return kept, "spill"
+        if nobody_overloaded:  # the common case
+            return None, "least_ttft"
         kept = [i for i, wait in enumerate(waits) if wait <= limit]
         if estimates.holders:
-            longest = max(hit.num_blocks for _, hit, _, _ in estimates.holders)
+            longest = max(hit.num_blocks for _, hit, _ in estimates.holders)
             longest_kept = max(
-                (hit.num_blocks for i, hit, _, _ in estimates.holders if waits[i] <= limit),
+                (hit.num_blocks for i, hit, _ in estimates.holders if waits[i] <= limit),
                 default=0,
             )
             if longest > longest_kept:  # the guard pushed it off its best holder
                 return kept, "overload"
         return kept, "least_ttft"
 
+    # ---- affinity groups ---------------------------------------------------------------------
+
+    def _members(
+        self,
+        request: RouteRequest,
+        replicas: Sequence[ReplicaSnapshot],
+        view: RegistryView,
+        now_s: float,
+    ) -> tuple[tuple[int, ...], tuple[ReplicaId, ...]] | None:
+        """The request's hot group's k ring members: their positions in ``replicas`` and their
+        ids (None: no hot group)."""
+        if not self.config.affinity_enabled:
+            return None
+        group = self.prefix_group(request)
+        if group is None:
+            return None
+        rate = self.groups.observed(group, view.group_rate, now_s)
+        k = min(self.groups.size(group, rate), len(replicas))
+        if k < 2:
+            return None
+        ring = self.ring
+        ring.sync(tuple(map(_replica_id, replicas)))
+        return ring.member_positions(group, k), ring.members(group, k)
+
+    def _as_if_held(
+        self,
+        hits: Mapping[ReplicaId, PrefixHit],
+        members: tuple[ReplicaId, ...],
+    ) -> Mapping[ReplicaId, PrefixHit]:
+        """The hits, with every member credited with the group's shared prefix: the longest
+        run of blocks some replica holds confirmed, if it covers the group's head.
+
+        The group's rate bought it k replicas; a member that has no copy yet gets one from the
+        next request sent there, which is therefore not charged for computing it: members
+        compete on load, as in the survey's affinity groups, and a hot prefix spreads before
+        its holders queue up instead of after (a greedy TTFT estimate only copies a prefix
+        once its holders are slower than a full recompute)."""
+        if not hits:
+            return hits
+        shared = 0
+        for hit in hits.values():
+            confirmed = hit.num_blocks - hit.num_speculative
+            if confirmed > shared:
+                shared = confirmed
+        if shared < self._group_blocks:
+            return hits
+        credited = dict(hits)
+        credit = PrefixHit(shared, (shared, 0, 0), 0)
+        get = credited.get
+        for replica_id in members:
+            hit = get(replica_id)
+            if hit is None or hit.num_blocks < shared:
+                credited[replica_id] = credit
+        return credited
+
+    # ---- delay-hit deferral ------------------------------------------------------------------
+
+    def _note(
+        self,
+        request: RouteRequest,
+        snapshot: ReplicaSnapshot,
+        wait_s: float,
+        uncached: int,
+        computes: bool,
+        now_s: float,
+    ) -> None:
+        """Record what the decision expects of the chosen replica: when the request's first
+        token should come (the decode-cost sample, ``DecodeCost``) and, if it computes at least
+        ``hold_min_tokens`` of its prompt there, that the replica is computing it until then:
+        the in-flight mark a later sibling's hold is priced by (Strata's transient node, at
+        the router)."""
+        capacity = snapshot.capacity
+        token_s = 1.0 / capacity.prefill_tokens_per_s if capacity.prefill_tokens_per_s > 0 else 0.0
+        running = max(snapshot.running_requests, 0)
+        fixed_step_s = (
+            capacity.decode_step_s + snapshot.active_kv_blocks * capacity.kv_read_s_per_block
+        )
+        decode_step_s = fixed_step_s + running * self.model.running_cost * token_s
+        budget = capacity.max_batch_tokens
+        chunk = max(budget - running, self.config.min_prefill_share * budget, 1.0)
+        # The step model's own prefill (ttft.py): one step, or chunk-sized ones.
+        ttft_s = wait_s + uncached * token_s + decode_step_s * max(uncached / chunk, 1.0)
+        if self.decode_cost is not None:
+            self.decode_cost.routed(
+                request.request_id,
+                now_s,
+                ttft_s,
+                fixed_step_s,
+                (running + 1) * token_s,
+                request.output_tokens,
+            )
+        if not computes or uncached < max(self.config.hold_min_tokens, 1):
+            return
+        if not self._memory_size or not ttft_s < math.inf:
+            return
+        memory = self._in_flight.get(snapshot.replica_id)
+        if memory is None:
+            memory = self._in_flight[snapshot.replica_id] = deque(maxlen=self._memory_size)
+        hashes = request.key.block_hashes
+        first_block = max(0, len(hashes) - -(-uncached // self._block_size))
+        memory.append((hashes, first_block, now_s + ttft_s))
+
+    def _ready_in(
+        self, replica: ReplicaId, hashes: tuple[BlockHash, ...], blocks: int, now_s: float
+    ) -> float | None:
+        """Seconds until the replica stores block ``blocks - 1`` of this prompt, by the in-flight
+        mark of the request computing it (None: no mark; another router sent it)."""
+        memory = self._in_flight.get(replica)
+        if not memory:
+            return None
+        position = blocks - 1
+        block = hashes[position]
+        for theirs, first_block, ready_s in reversed(memory):
+            if first_block <= position < len(theirs) and theirs[position] == block:
+                return ready_s - now_s if ready_s > now_s else 0.0
+        return None
+
     def _hold_candidate(
         self,
         request: RouteRequest,
+        replicas: Sequence[ReplicaSnapshot],
         estimates: CandidateEstimates,
-        cost: list[float],
-        limit: float,
         near_bound: float,
+        now_s: float,
     ) -> tuple[int, Hold] | None:
-        """The replica computing the longest in-flight stretch of the prompt, if worth a hold:
-        the guard keeps it and its estimate (in-flight blocks counted as held, its queue with
-        the computing request in it) is within the near-best band of the best candidate's.
+        """The replica computing the longest in-flight stretch of the prompt, if worth a hold.
 
-        The last condition keeps holds from piling a burst of siblings onto one replica while
-        others idle: once its queue makes it dearer than computing the prefix elsewhere, the
-        next sibling goes elsewhere and that replica's copy becomes the next one to join.
+        A held request waits for the blocks, then joins at the head of that replica's queue:
+        its TTFT is the time until they land plus one step for the rest of its prompt, whatever
+        else is queued there. When is "until they land"? The router remembers when it expected
+        the computing request's first token (``_remember``); without that mark (another router
+        sent it), the replica's whole queue wait bounds it. The hold is taken when that TTFT,
+        priced like any other candidate (work, delay to others), is within the near-best band
+        of the best alternative, which pays for recomputing the prefix: under load a hold that
+        saves a whole prefill wins even against an idle replica.
         """
         holders = estimates.holders
-        best_confirmed = max(hit.num_blocks - hit.num_speculative for _, hit, _, _ in holders)
-        key_blocks = len(request.key.block_hashes)
+        best_confirmed = max(hit.num_blocks - hit.num_speculative for _, hit, _ in holders)
+        hashes = request.key.block_hashes
+        key_blocks = len(hashes)
         block_size = self._block_size
         min_tokens = self.config.hold_min_tokens
         waits = estimates.queue_wait_s
-        best: Holder | None = None
-        best_blocks = 0
-        for holder in holders:
-            index, hit, _, _ = holder
-            if hit.num_speculative <= 0 or not waits[index] <= limit or cost[index] > near_bound:
+        cost = estimates.cost
+        best: tuple[int, float, int, float] | None = None
+        for index, hit, _ in holders:
+            if hit.num_speculative <= 0:
                 continue
             blocks = min(hit.num_blocks, key_blocks)
             if blocks <= best_confirmed or (blocks - best_confirmed) * block_size < min_tokens:
                 continue
+            in_flight_blocks = min(hit.num_speculative, blocks)
+            per_token_s = self.model.per_token_s(replicas[index])
+            in_flight_s = in_flight_blocks * block_size * per_token_s
+            wait = waits[index]
+            ready = self._ready_in(replicas[index].replica_id, hashes, blocks, now_s)
+            if ready is None or not ready < wait:
+                ready = wait
+            hold_cost = cost[index] - wait + ready
+            if not hold_cost <= near_bound:
+                continue
             if (
                 best is None
-                or blocks > best_blocks
-                or (blocks == best_blocks and cost[index] < cost[best[0]])
+                or blocks > best[2]
+                or (blocks == best[2] and hold_cost < best[1])
+                or (
+                    blocks == best[2]
+                    and hold_cost == best[1]
+                    and replicas[index].replica_id < replicas[best[0]].replica_id
+                )
             ):
-                best, best_blocks = holder, blocks
+                best = (index, hold_cost, blocks, max(ready, in_flight_s))
         if best is None:
             return None
-        index, hit, per_token_s, _ = best
-        in_flight_blocks = min(hit.num_speculative, best_blocks)
-        # The blocks are stored once the request computing them gets through the replica's
-        # queue (which includes that request's own prefill) and computes them: bound the wait
-        # by the larger of the two, times a safety factor. The replica releases the hold as
-        # soon as the blocks land, so a generous bound costs nothing when all goes well.
-        in_flight_prefill_s = in_flight_blocks * block_size * per_token_s
-        expected_s = max(waits[index], in_flight_prefill_s, 0.0)
-        hold = Hold(num_blocks=best_blocks, max_wait_s=self.config.hold_wait_factor * expected_s)
+        index, _, blocks, expected_s = best
+        # The replica releases the hold as soon as the blocks land, so a generous bound costs
+        # nothing when all goes well; it only caps the damage of a computing request that
+        # failed or fell behind.
+        hold = Hold(num_blocks=blocks, max_wait_s=self.config.hold_wait_factor * expected_s)
         return index, hold
 
-    def _pick_near_best(self, order: list[int], cost: list[float], bound: float) -> int:
-        """A random one of the candidates within the near-best band (``order``: by cost)."""
+    def _pick_near_best(
+        self,
+        replicas: Sequence[ReplicaSnapshot],
+        order: list[int],
+        cost: list[float],
+        bound: float,
+    ) -> int:
+        """A random one of the candidates within the near-best band (``order``: by cost).
+
+        The band is drawn in replica-id order, not candidate order, so that the choice depends
+        only on the policy's seed and the replicas' state: adapters may list the same replicas
+        in any order (Serve builds its candidate list from a set of replica ids)."""
         near = 1
-        while near < len(order) and cost[order[near]] <= bound:
+        count = len(order)
+        while near < count and cost[order[near]] <= bound:
             near += 1
-        return order[0] if near == 1 else order[self._rng.randrange(near)]
+        if near == 1:
+            return order[0]
+        band = sorted(order[:near], key=lambda i: replicas[i].replica_id)
+        return band[self._rng.randrange(near)]
 
     # ---- hooks -------------------------------------------------------------------------------
 
@@ -306,7 +515,11 @@ class PrefixmeshPolicy:
         and the next snapshot carries the replica's load."""
 
     def on_finished(self, request: RouteRequest, replica: ReplicaId, now_s: float) -> None:
-        return None
+        """A step-time sample for the running cost (``DecodeCost``)."""
+        if self.decode_cost is not None:
+            self.decode_cost.finished(request.request_id, request.output_tokens, now_s)
 
     def on_replica_removed(self, replica: ReplicaId) -> None:
-        """The ring follows the candidate list at the next hot-group decision."""
+        """Forget what it was computing; the ring follows the candidate list at the next
+        hot-group decision."""
+        self._in_flight.pop(replica, None)

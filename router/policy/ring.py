@@ -56,6 +56,11 @@ class ReplicaRing:
         self._members = wanted
         self._memo.clear()
 
+    @property
+    def positions(self) -> dict[ReplicaId, int]:
+        """Where each replica sits in the list of the last ``sync`` (read only)."""
+        return self._position
+
     def first(self, key: int) -> ReplicaId:
         """The replica owning ``key`` (the ring must hold at least one replica)."""
         return self.members(key, 1)[0]

@@ -1,7 +1,8 @@
-"""Estimated time to first token of a request on each candidate replica.
+"""Estimated time to first token of a request on each candidate replica, and its cost.
 
     ttft = queue wait + prefill of the tokens the replica does not hold + load of the blocks it
            holds in a lower tier
+    cost = ttft + work price x work + queue externality x delay it adds to requests waiting there
 
 Every term comes from the replica's own ``ReplicaCapacity`` and its snapshot, so a tensor-
 parallel replica that prefills twice as fast is credited for it, and a replica busy decoding
@@ -32,8 +33,15 @@ token, longer on a replica busy decoding.
   hit is credited instead, as Dynamo does: a CPU block saves 0.75 of its prefill, a disk block
   0.25 (``cpu_fallback_credit``, ``disk_fallback_credit``).
 
-Besides the TTFT, each estimate reports the *work* the request would add there, uncached /
-peak: busy time spent recomputing what another replica holds, which the policy prices too.
+The cost adds what the request does to others on that replica, since the goal is the mean TTFT
+of everyone, not this request's alone:
+
+- *work*: uncached / peak, busy time spent computing; priced by the caller (``work_price``),
+  it delays whatever arrives there next, and recomputing what another replica holds wastes it;
+- *queue externality*: the requests already waiting there for their first token (queued, or
+  one running prefill when nothing is queued) share a step with the request's first chunk and
+  are each delayed by its compute, min(uncached, chunk) / peak. A long prompt thus avoids a
+  replica where a short request is about to start, instead of making it wait its whole chunk.
 """
 
 from __future__ import annotations
@@ -71,25 +79,28 @@ def step_times(
     running_requests: int,
     active_kv_blocks: int,
     min_prefill_share: float,
+    running_cost: float = 1.0,
 ) -> StepTimes:
     """The step model of one replica; the chunk never falls below ``min_prefill_share`` of the
-    budget (vLLM keeps admitting prefill chunks when decodes fill the budget, just slowly)."""
+    budget (vLLM keeps admitting prefill chunks when decodes fill the budget, just slowly).
+    ``running_cost``: what a running request adds to a step, in units of one token's compute
+    (1 when its KV reads are reported separately, more when they are not; ``DecodeCost``)."""
     budget = capacity.max_batch_tokens if capacity.max_batch_tokens > 0 else 1
     peak = capacity.prefill_tokens_per_s
     token_s = 1.0 / (peak if peak > _TINY_RATE else _TINY_RATE)
     decode_step_s = (
         capacity.decode_step_s
-        + running_requests * token_s
+        + running_requests * token_s * running_cost
         + active_kv_blocks * capacity.kv_read_s_per_block
     )
     chunk = max(budget - running_requests, min_prefill_share * budget)
     return StepTimes(token_s, decode_step_s, chunk, token_s + decode_step_s / chunk)
 
 
-Holder = tuple[int, PrefixHit, float, int]
-"""A candidate with a hit: (its index in the snapshot list, the hit, its effective time per
-prefill token, the prompt tokens it would still compute). A plain tuple: the hot loop builds
-one per holder, and a hot prefix can have dozens."""
+Holder = tuple[int, PrefixHit, int]
+"""A candidate with a hit: (its index in the snapshot list, the hit, the prompt tokens it would
+still compute). A plain tuple: the hot loop builds one per holder, and a hot prefix can have
+dozens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +110,7 @@ class CandidateEstimates:
     queue_wait_s: list[float]
     """Time before the request's own prefill starts there."""
     cost: list[float]
-    """TTFT + recompute_penalty x work (the compute time of the uncached tokens there)."""
+    """TTFT + work price x work + queue externality x delay added to requests waiting there."""
     least_backlog_s: float
     """The shortest queued prefill (pending x effective time per token) of any candidate: 0
     while some replica has none, the fleet's backlog once every one has some."""
@@ -120,6 +131,19 @@ class ReplicaEstimate:
     load_s: float
     ttft_s: float
     work_s: float
+    """Compute time of the uncached tokens there (uncached / peak)."""
+    waiting_requests: int
+    """Requests there still waiting for their first token that the request's first chunk
+    delays: those queued, or the running prefill when none is queued."""
+    delay_s: float
+    """What the request's first chunk adds to each of them: min(uncached, chunk) / peak."""
+
+    def cost(self, work_price: float, queue_externality: float) -> float:
+        return (
+            self.ttft_s
+            + work_price * self.work_s
+            + queue_externality * self.waiting_requests * self.delay_s
+        )
 
 
 class TtftModel:
@@ -130,6 +154,7 @@ class TtftModel:
         min_prefill_share: float,
         cpu_fallback_credit: float,
         disk_fallback_credit: float,
+        queue_externality: float = 0.0,
     ) -> None:
         if min_prefill_share <= 0:
             raise ValueError(f"min_prefill_share must be > 0, got {min_prefill_share}")
@@ -137,6 +162,9 @@ class TtftModel:
         self.min_prefill_share = min_prefill_share
         self.cpu_fallback_credit = cpu_fallback_credit
         self.disk_fallback_credit = disk_fallback_credit
+        self.queue_externality = queue_externality
+        self.running_cost = 1.0
+        """Step time a running request adds, in token computes (set from ``DecodeCost``)."""
 
     def held(
         self, hit: PrefixHit, capacity: ReplicaCapacity, key_blocks: int
@@ -180,13 +208,29 @@ class TtftModel:
         least = 1 if prompt else 0
         return left if left > least else least
 
+    def per_token_s(self, snapshot: ReplicaSnapshot) -> float:
+        """The replica's effective time per prefill token now (``StepTimes``)."""
+        return step_times(
+            snapshot.capacity,
+            snapshot.running_requests,
+            snapshot.active_kv_blocks,
+            self.min_prefill_share,
+            self.running_cost,
+        ).prefill_s_per_token
+
     def explain(
         self, request: RouteRequest, snapshot: ReplicaSnapshot, hit: PrefixHit | None
     ) -> ReplicaEstimate:
         """The estimate of one candidate, term by term (what ``estimate`` computes in bulk)."""
         capacity = snapshot.capacity
         running = snapshot.running_requests
-        steps = step_times(capacity, running, snapshot.active_kv_blocks, self.min_prefill_share)
+        steps = step_times(
+            capacity,
+            running,
+            snapshot.active_kv_blocks,
+            self.min_prefill_share,
+            self.running_cost,
+        )
         pending = snapshot.pending_prefill_tokens
         if pending > 0 or running > 0:  # busy: it takes the request at its next step
             wait = 0.5 * steps.decode_step_s + max(pending, 0) * steps.prefill_s_per_token
@@ -199,15 +243,18 @@ class TtftModel:
         prefill_s = max(
             uncached * steps.prefill_s_per_token, steps.decode_step_s + uncached * steps.token_s
         )
-        ttft = wait + prefill_s + load_s
+        queued = max(snapshot.queued_requests, 0)
+        waiting = queued if queued else (1 if pending > 0 else 0)
         return ReplicaEstimate(
             steps=steps,
             queue_wait_s=wait,
             uncached_tokens=uncached,
             prefill_s=prefill_s,
             load_s=load_s,
-            ttft_s=ttft,
+            ttft_s=wait + prefill_s + load_s,
             work_s=uncached * steps.token_s,
+            waiting_requests=waiting,
+            delay_s=min(uncached, steps.prefill_chunk_tokens) * steps.token_s,
         )
 
     def estimate(
@@ -215,93 +262,121 @@ class TtftModel:
         request: RouteRequest,
         replicas: Sequence[ReplicaSnapshot],
         hits: Mapping[ReplicaId, PrefixHit],
-        recompute_penalty: float = 0.0,
+        work_price: float = 0.0,
     ) -> CandidateEstimates:
-        """``explain`` for every candidate, fast (the routing hot path), priced with
-        ``recompute_penalty``."""
+        """``explain`` for every candidate, fast (the routing hot path), each priced with
+        ``ReplicaEstimate.cost(work_price, queue_externality)``."""
         try:
-            return self._estimate(request, replicas, hits, recompute_penalty)
+            return self._estimate(request, replicas, hits, work_price)
         except ZeroDivisionError:  # a zero rate or budget in some report: clamp, then redo
             sane = [_sane(s) for s in replicas]
-            return self._estimate(request, sane, hits, recompute_penalty)
+            return self._estimate(request, sane, hits, work_price)
 
     def _estimate(
         self,
         request: RouteRequest,
         replicas: Sequence[ReplicaSnapshot],
         hits: Mapping[ReplicaId, PrefixHit],
-        penalty: float,
+        price: float,
     ) -> CandidateEstimates:
         # NOTE: this loop runs for every candidate of every request and must stay well under
-        # 50 us at 64 replicas, so ``step_times`` and the common kinds of hit (all GPU, or
-        # GPU + CPU credited) are inlined, nothing is clamped (a zero divides, and ``estimate``
-        # retries with clamped snapshots) and nothing but a tuple per holder is allocated.
-        # tests/unit/router/policy/test_ttft.py checks it against ``explain``.
+        # 50 us at 64 replicas (about 0.4 us a replica in CPython), so ``step_times`` and the
+        # common kinds of hit (all GPU, or GPU + CPU credited) are inlined, the terms that do
+        # not depend on the replica are folded before the loop, nothing is clamped (a zero
+        # divides, and ``estimate`` retries with clamped snapshots) and nothing but a tuple
+        # per holder is allocated. tests/unit/router/policy/test_ttft.py checks it against
+        # ``explain``.
         prompt = request.prompt_tokens if request.prompt_tokens > 0 else 0
         least_uncached = 1 if prompt else 0  # vLLM always computes the last token
         key_blocks = len(request.key.block_hashes)
         block_size = self.block_size
         cpu_discount = 1.0 - self.cpu_fallback_credit
         min_share = self.min_prefill_share
+        ext = self.queue_externality
+        running_cost = self.running_cost
         hits_get = hits.get if hits else None
-        waits: list[float] = []
-        costs: list[float] = []
+        priced = 1.0 + price
+        # A replica without a hit computes the whole prompt: its priced work and the delay it
+        # adds per waiting request, in token computes, are the same everywhere.
+        plain_work = prompt * priced
+        plain_delay = ext * prompt
+        count = len(replicas)
+        waits = [0.0] * count
+        costs = [0.0] * count
         holders: list[Holder] = []
         any_speculative = False
-        least_backlog_s = math.inf
-        add_wait = waits.append
-        add_cost = costs.append
+        least_backlog_s = math.inf if count else 0.0
+        index = -1
         for snapshot in replicas:
+            index += 1
             capacity = snapshot.capacity
             token_s = 1.0 / capacity.prefill_tokens_per_s
             running = snapshot.running_requests
-            decode_step_s = capacity.decode_step_s + running * token_s
-            kv_read_s = capacity.kv_read_s_per_block
-            if kv_read_s:
-                decode_step_s += snapshot.active_kv_blocks * kv_read_s
+            decode_step_s = capacity.decode_step_s + running * running_cost * token_s
+            if capacity.kv_read_s_per_block:
+                decode_step_s += snapshot.active_kv_blocks * capacity.kv_read_s_per_block
             budget = capacity.max_batch_tokens
             chunk = budget - running
             if chunk < min_share * budget:
                 chunk = min_share * budget
-            per_token_s = token_s + decode_step_s / chunk
             pending = snapshot.pending_prefill_tokens
+            waiting = snapshot.queued_requests
             if pending > 0:
-                backlog_s = pending * per_token_s
+                backlog_s = pending * (token_s + decode_step_s / chunk)
                 if backlog_s < least_backlog_s:
                     least_backlog_s = backlog_s
                 wait = 0.5 * decode_step_s + backlog_s
+                if waiting <= 0:
+                    waiting = 1  # a running prefill
             else:
                 least_backlog_s = 0.0
                 wait = 0.5 * decode_step_s if running > 0 else 0.0
-            add_wait(wait)
-            load_s = 0.0
+                if waiting < 0:
+                    waiting = 0
+            waits[index] = wait
             if hits_get is None or (hit := hits_get(snapshot.replica_id)) is None:
-                uncached = prompt
-            else:
-                held_blocks = hit.num_blocks
-                _, cpu, disk = hit.blocks_by_tier
-                if (
-                    held_blocks <= key_blocks
-                    and not disk
-                    and (not cpu or (cpu <= held_blocks and capacity.cpu_load_s_per_block <= 0))
-                ):
-                    saved = (held_blocks - cpu * cpu_discount) * block_size
+                # The common case: nothing held there, the whole prompt to compute.
+                if prompt <= chunk:
+                    costs[index] = (
+                        wait + decode_step_s + (plain_work + waiting * plain_delay) * token_s
+                    )
                 else:
-                    saved, load_s = self.held(hit, capacity, key_blocks)
+                    costs[index] = (
+                        wait
+                        + decode_step_s * prompt / chunk
+                        + (plain_work + waiting * ext * chunk) * token_s
+                    )
+                continue
+            held_blocks = hit.num_blocks
+            _, cpu, disk = hit.blocks_by_tier
+            load_s = 0.0
+            if disk or held_blocks > key_blocks or cpu > held_blocks:
+                saved, load_s = self.held(hit, capacity, key_blocks)
                 uncached = int(prompt - saved + 0.5)
-                if uncached < least_uncached:
-                    uncached = least_uncached
-                if held_blocks > 0:
-                    holders.append((len(waits) - 1, hit, per_token_s, uncached))
-                    if hit.num_speculative > 0:
-                        any_speculative = True
-            work_s = uncached * token_s
-            prefill_s = uncached * per_token_s
-            if decode_step_s + work_s > prefill_s:
-                prefill_s = decode_step_s + work_s
-            add_cost(wait + prefill_s + load_s + penalty * work_s)
-        if not waits:
-            least_backlog_s = 0.0
+            elif not cpu:  # all in GPU memory: the common hit
+                uncached = prompt - held_blocks * block_size
+            elif capacity.cpu_load_s_per_block > 0:
+                uncached = prompt - held_blocks * block_size
+                load_s = cpu * capacity.cpu_load_s_per_block
+            else:  # CPU blocks, credited
+                uncached = int(prompt - (held_blocks - cpu * cpu_discount) * block_size + 0.5)
+            if uncached < least_uncached:
+                uncached = least_uncached
+            if held_blocks > 0:
+                holders.append((index, hit, uncached))
+                if hit.num_speculative > 0:
+                    any_speculative = True
+            if uncached <= chunk:
+                costs[index] = (
+                    wait + load_s + decode_step_s + uncached * (priced + waiting * ext) * token_s
+                )
+            else:
+                costs[index] = (
+                    wait
+                    + load_s
+                    + decode_step_s * uncached / chunk
+                    + (uncached * priced + waiting * ext * chunk) * token_s
+                )
         return CandidateEstimates(waits, costs, least_backlog_s, holders, any_speculative)
 
 

@@ -38,3 +38,15 @@ def test_exact_multiples_do_not_round_up() -> None:
     assert groups(target_utilization=0.7).size(G, 1.4) == 2
     with pytest.raises(ValueError, match="target_utilization"):
         groups(target_utilization=0.0)
+
+
+def test_a_young_group_s_rate_is_corrected_for_the_counter_s_warm_up() -> None:
+    g = groups(rate_half_life_s=30.0, max_warmup_boost=4.0)
+    assert g.observed(G, 0.0, 100.0) == 0.0  # first seen at 100 s
+    # 30 s later the decayed counter reads half of a steady rate: the correction doubles it.
+    assert g.observed(G, 0.5, 130.0) == pytest.approx(1.0)
+    assert g.observed(G, 0.99, 400.0) == pytest.approx(0.99, rel=1e-3)  # long since warm
+    # Right after the first sighting the boost is capped.
+    assert g.observed(BlockHash(9), 0.1, 130.0) == pytest.approx(0.4)
+    # No correction asked for: the rate as reported.
+    assert groups().observed(G, 0.5, 5.0) == 0.5

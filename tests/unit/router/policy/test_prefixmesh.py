@@ -24,8 +24,13 @@ NAMES = tuple(f"r{i}" for i in range(8))
 GROUP_HEAD = (1, 2)  # group_tokens = 8: the first 2 blocks name the group
 
 
+BASE = {"group_tokens": 8, "hold_min_tokens": 8, "affinity_warmup_max_boost": 1.0}
+"""Small groups and holds for block size 4; group rates taken as given (the warm-up
+correction has its own test)."""
+
+
 def prefixmesh(seed: int = 0, **section: object) -> PrefixmeshPolicy:
-    built = policy("prefixmesh", seed, **({"group_tokens": 8, "hold_min_tokens": 8} | section))
+    built = policy("prefixmesh", seed, **(BASE | section))
     assert isinstance(built, PrefixmeshPolicy)
     return built
 
@@ -75,7 +80,8 @@ def test_within_a_hot_group_the_estimate_picks_and_busy_members_spill() -> None:
         decision = prefixmesh(seed).route(group_request(9), replicas, view(group_rate=1.0), 0.0)
         assert (str(decision.chosen), decision.reason) == (members[1], "affinity")
     overloaded = [snap(n, pending=1500 if n in members else 0) for n in NAMES]
-    decision = prefixmesh().route(group_request(9), overloaded, view(group_rate=1.0), 0.0)
+    guarded = prefixmesh(overload_wait_s=1.0)  # 1.65 s queued: overloaded at a 1 s guard
+    decision = guarded.route(group_request(9), overloaded, view(group_rate=1.0), 0.0)
     assert decision.reason == "spill"
     assert not set(chosen_ids(decision.ranked)) & set(members)
     # Merely busier members (0.12 s queued, within the guard) also spill once they are
@@ -134,7 +140,7 @@ def test_an_overloaded_holder_loses_only_its_own_excess_traffic() -> None:
     p = request(*range(100))
     q = request(*range(500, 600))
     for seed in range(10):
-        pm = prefixmesh(seed)
+        pm = prefixmesh(seed, overload_wait_s=1.0)
         on_p = pm.route(p, replicas, view(a=hit(gpu=100), b=hit(gpu=50)), 0.0)
         # Rebalanced to the longest match among the rest, not to the plain least loaded.
         assert (str(on_p.chosen), on_p.reason) == ("b", "overload")
@@ -153,7 +159,7 @@ def test_a_backlogged_fleet_keeps_its_affinity() -> None:
     # b's wait) and recomputing is priced by the backlog (penalty 0.5 + 1.98 s / 1 s), so a
     # keeps P: 2.90 against b's 3.42.
     backlogged = [snap("a", pending=2500), snap("b", pending=1800)]
-    pm = prefixmesh()
+    pm = prefixmesh(overload_wait_s=1.0)
     first = pm.route(p, backlogged, hits, 0.0)  # priced with the backlog seen before: none
     assert str(first.chosen) == "b"
     second = pm.route(p, backlogged, hits, 0.0)
@@ -224,7 +230,9 @@ def test_groups_and_their_traffic_weight() -> None:
     req = request(*range(10), output=64, request_id="w")
     assert pm.traffic_weight(req) == 0.0  # nothing known about the fleet yet
     pm.route(req, [snap("a"), snap("b")], view(a=hit(gpu=8)), 0.0)
-    # a computes 8 tokens (8 / 1000 s); 64 tokens x 0.01 s / 32 per step = 0.02 s of decode.
-    assert pm.traffic_weight(req) == pytest.approx(0.008 + 0.02)
+    # a computes 8 tokens (8 / 1000 s); each of the 64 output tokens costs 0.01 s / 32 of the
+    # step's fixed part plus one token's compute (1 ms: nothing learned about decode yet).
+    decode_s = 64 * (0.01 / 32 + 0.001)
+    assert pm.traffic_weight(req) == pytest.approx(0.008 + decode_s)
     other = request(*range(10), output=64, request_id="other")
-    assert pm.traffic_weight(other) == pytest.approx(0.032 + 0.02)  # prompt beyond the head
+    assert pm.traffic_weight(other) == pytest.approx(0.032 + decode_s)  # beyond the head

@@ -16,6 +16,7 @@ def model(**overrides: float) -> TtftModel:
         "min_prefill_share": 0.05,
         "cpu_fallback_credit": 0.75,
         "disk_fallback_credit": 0.25,
+        "queue_externality": 1.0,
     } | overrides
     return TtftModel(**settings)  # type: ignore[arg-type]
 
@@ -76,7 +77,8 @@ def test_a_hit_longer_than_the_prompt_is_trimmed_from_its_deepest_tier() -> None
 def test_bulk_estimate_matches_the_term_by_term_one() -> None:
     rng = random.Random(3)
     tiny = model()
-    for _ in range(50):
+    for _ in range(80):
+        tiny.running_cost = rng.choice([1.0, 3.5])
         capacities = [
             ReplicaCapacity(
                 rng.choice([500.0, 1000.0, 2000.0, 1e6]),
@@ -93,30 +95,59 @@ def test_bulk_estimate_matches_the_term_by_term_one() -> None:
                 f"r{i}",
                 running=rng.randrange(40),
                 pending=rng.choice([0, rng.randrange(500)]),
+                queued=rng.choice([0, 0, rng.randrange(5)]),
                 kv=rng.randrange(300),
                 capacity=c,
             )
             for i, c in enumerate(capacities)
         ]
-        req = request(*range(rng.randrange(1, 12)), extra_tokens=rng.randrange(4))
+        req = request(*range(rng.randrange(1, 40)), extra_tokens=rng.randrange(4))
         hits = {
-            ReplicaId(f"r{i}"): hit(gpu=rng.randrange(4), cpu=rng.randrange(3), speculative=0)
+            ReplicaId(f"r{i}"): hit(
+                gpu=rng.randrange(30),
+                cpu=rng.randrange(3),
+                disk=rng.choice([0, 0, 1]),
+                speculative=0,
+            )
             for i in rng.sample(range(6), 3)
         }
-        bulk = tiny.estimate(req, replicas, hits, recompute_penalty=0.5)
+        bulk = tiny.estimate(req, replicas, hits, work_price=0.5)
         for i, replica in enumerate(replicas):
             one = tiny.explain(req, replica, hits.get(replica.replica_id))
             assert bulk.queue_wait_s[i] == pytest.approx(one.queue_wait_s)
-            assert bulk.cost[i] == pytest.approx(one.ttft_s + 0.5 * one.work_s)
+            assert bulk.cost[i] == pytest.approx(one.cost(0.5, 1.0))
         backlogs = [
             s.pending_prefill_tokens * tiny.explain(req, s, None).steps.prefill_s_per_token
             for s in replicas
         ]
         assert bulk.least_backlog_s == pytest.approx(min(backlogs))
-        for index, held, per_token_s, uncached in bulk.holders:
+        for index, held, uncached in bulk.holders:
             one = tiny.explain(req, replicas[index], held)
             assert uncached == one.uncached_tokens
-            assert per_token_s == pytest.approx(one.steps.prefill_s_per_token)
+            assert tiny.per_token_s(replicas[index]) == pytest.approx(one.steps.prefill_s_per_token)
+
+
+def test_a_long_prompt_avoids_a_replica_where_short_requests_wait_to_start() -> None:
+    # Both idle but for their queues: a has 3 requests about to start, b none. The 90-token
+    # prompt's first chunk would delay each of a's by 90 ms.
+    replicas = [snap("a", queued=3, pending=3), snap("b", running=1)]
+    estimates = model().estimate(request(*range(22), extra_tokens=2), replicas, {})
+    one = model().explain(request(*range(22), extra_tokens=2), replicas[0], None)
+    assert (one.waiting_requests, one.delay_s) == (3, pytest.approx(0.09))
+    assert estimates.cost[0] == pytest.approx(one.ttft_s + 3 * 0.09)
+    assert estimates.cost[1] < estimates.cost[0]
+    # A running prefill with nothing queued counts as one waiting request.
+    assert model().explain(request(1), snap("a", pending=50), None).waiting_requests == 1
+
+
+def test_the_learned_running_cost_lengthens_a_busy_replica_s_steps() -> None:
+    tiny = model()
+    busy = snap("a", running=20)
+    plain = tiny.explain(request(1), busy, None).steps.decode_step_s
+    tiny.running_cost = 3.0
+    assert tiny.explain(request(1), busy, None).steps.decode_step_s == pytest.approx(
+        plain + 2 * 20 * 0.001
+    )
 
 
 def test_zero_rates_in_a_report_do_not_divide_by_zero() -> None:
