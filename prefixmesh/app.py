@@ -39,13 +39,33 @@ def resolve_model_path(config: PrefixmeshConfig) -> str:
     return str(ensure_demo_model(cache / "models", config.replica.demo_model_size))
 
 
+def request_router_class(config: PrefixmeshConfig) -> Any:
+    """The Ray Serve RequestRouter class of ``routing.serve_request_router``: ours, or one of
+    Ray's own (with their shipped defaults) for side-by-side comparisons."""
+    choice = config.routing.serve_request_router
+    if choice == "ray_pow2":
+        from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+
+        return PowerOfTwoChoicesRequestRouter
+    if choice == "ray_prefix_affinity":
+        # The public alias (ray.serve.llm.request_router) needs vLLM or SGLang and pyarrow to
+        # import; this class is the same router and imports without them.
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+            PrefixCacheAffinityRouter,
+        )
+
+        return PrefixCacheAffinityRouter
+    from prefixmesh.router.serve_router import PrefixmeshRequestRouter
+
+    return PrefixmeshRequestRouter
+
+
 def build_app(config: PrefixmeshConfig) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     from prefixmesh.replica.deployment import ReplicaServer
     from prefixmesh.router.ingress import IngressServer
-    from prefixmesh.router.serve_router import PrefixmeshRequestRouter
 
     model_path = resolve_model_path(config)
     config_json = config.model_dump_json()
@@ -74,8 +94,12 @@ def build_app(config: PrefixmeshConfig) -> Any:
         max_ongoing_requests=replica.max_ongoing_requests,
         ray_actor_options=replica_actor,
         request_router_config=RequestRouterConfig(
-            request_router_class=PrefixmeshRequestRouter,
-            request_router_kwargs={"config_json": config_json},
+            request_router_class=request_router_class(config),
+            request_router_kwargs=(
+                {"config_json": config_json}
+                if config.routing.serve_request_router == "prefixmesh"
+                else {}
+            ),
             request_routing_stats_period_s=replica.routing_stats_period_s,
             request_routing_stats_timeout_s=max(1.0, replica.routing_stats_period_s),
         ),

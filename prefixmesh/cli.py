@@ -35,6 +35,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixmesh.loadtest.simulate",
         "compare routing policies on a simulated fleet (discrete events, no GPU)",
     ),
+    "replica-server": (
+        "prefixmesh.replica_server",
+        "one replica's engine (sim or vllm) behind the OpenAI API on 127.0.0.1",
+    ),
 }
 
 

@@ -192,6 +192,13 @@ class RoutingConfig(_Section):
         "prefixmesh", "round_robin", "pow2", "prefix_hash", "ray_prefix", "sglang", "dynamo"
     ] = "prefixmesh"
     """Which routing policy the request router runs."""
+    serve_request_router: Literal["prefixmesh", "ray_pow2", "ray_prefix_affinity"] = "prefixmesh"
+    """Which Ray Serve ``RequestRouter`` class sends requests to the replicas: ``prefixmesh``
+    (ours, running ``policy``); or, for side-by-side comparisons, one of Ray's own classes with
+    their shipped defaults: ``ray_pow2`` (Serve's default PowerOfTwoChoicesRequestRouter) or
+    ``ray_prefix_affinity`` (Ray Serve LLM's PrefixCacheAffinityRouter, which matches the
+    prompt text it reads from the request's ``prompt`` attribute). ``policy`` and its settings
+    apply only to ``prefixmesh``."""
     prefixmesh: PrefixmeshPolicyConfig = PrefixmeshPolicyConfig()
     """Settings of the prefixmesh policy."""
     prefix_hash: PrefixHashConfig = PrefixHashConfig()
@@ -242,9 +249,27 @@ class SimEngineConfig(_Section):
     """Engine-tier KV capacity in blocks (None: the profile's)."""
 
 
+class RemoteEngineConfig(_Section):
+    """Settings of the remote engine: each Serve replica forwards to one replica server
+    (``prefixmesh replica-server``), so Ray Serve's routers and the peer routers can be compared
+    in front of the same engines."""
+
+    urls: tuple[str, ...] = ()
+    """Base URLs of the replica servers (``http://127.0.0.1:9100``); the Serve replica of rank
+    r forwards to ``urls[r]``, so give at least ``num_replicas`` of them."""
+    connect_timeout_s: float = Field(default=60.0, gt=0)
+    """How long a replica waits at start for its replica server to answer ``/engine/info``."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Upper bound on one forwarded request, streaming included."""
+    reconnect_interval_s: float = Field(default=0.5, gt=0)
+    """Pause before re-opening a replica server's cache-event stream after it broke (the
+    first message of a new stream is a snapshot, so nothing is lost for good)."""
+
+
 class ReplicaConfig(_Section):
-    engine: Literal["vllm", "sim"] = "vllm"
-    """Which engine each replica runs."""
+    engine: Literal["vllm", "sim", "remote"] = "vllm"
+    """Which engine each replica runs: ``vllm``, ``sim``, or ``remote`` (forward to a replica
+    server that runs one of the other two)."""
     num_replicas: int = Field(default=2, ge=1)
     """Replicas (data-parallel ranks) of the model."""
     num_cpus: float = Field(default=0.0, ge=0)
@@ -266,6 +291,17 @@ class ReplicaConfig(_Section):
     """Settings of the vllm engine."""
     sim: SimEngineConfig = SimEngineConfig()
     """Settings of the sim engine."""
+    remote: RemoteEngineConfig = RemoteEngineConfig()
+    """Settings of the remote engine."""
+
+    @model_validator(mode="after")
+    def _check_remote(self) -> ReplicaConfig:
+        if self.engine == "remote" and len(self.remote.urls) < self.num_replicas:
+            raise ValueError(
+                f"replica.engine=remote needs one replica.remote.urls entry per replica: "
+                f"{len(self.remote.urls)} urls for {self.num_replicas} replicas"
+            )
+        return self
 
 
 class IngressConfig(_Section):

@@ -40,6 +40,13 @@ class GenerateRequest:
     routed_by: str = ""
     """The routing decision's reason, for metrics."""
 
+    @property
+    def prompt(self) -> str:
+        """The prompt as text, one character per token (code point 0x10000 + id), for request
+        routers that match text prefixes: Ray Serve LLM's PrefixCacheAffinityRouter reads the
+        ``prompt`` attribute of a request argument. Token and character prefixes coincide."""
+        return "".join([chr(0x10000 + t % 0xF0000) for t in self.prompt_token_ids])
+
 
 @dataclass(frozen=True, slots=True)
 class GenerateChunk:

@@ -69,6 +69,18 @@ def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any)
             calibrate=vllm.calibrate,
         )
         return VllmEngine(settings, hasher, sink)
+    if config.replica.engine == "remote":
+        from prefixmesh.replica.engines.remote_engine import RemoteEngine, RemoteEngineSettings
+
+        remote = config.replica.remote
+        url = remote.urls[rank % len(remote.urls)]
+        return RemoteEngine(
+            RemoteEngineSettings(
+                url, remote.connect_timeout_s, remote.request_timeout_s, remote.reconnect_interval_s
+            ),
+            hasher,
+            sink,
+        )
     from prefixmesh.replica.engines.sim_engine import SimEngine
     from prefixmesh.replica.model.profile import get_profile
 

@@ -27,8 +27,10 @@ from prefixmesh.replica.model.engine import CacheChanged, EngineModel, Finished,
 from prefixmesh.replica.model.engine import EngineRequest as ModelRequest
 from prefixmesh.replica.model.profile import EngineProfile
 
-# Output token ids are placeholders: ordinary ids of any BPE vocabulary, cycled.
-_FIRST_TOKEN_ID = 100
+# Output token ids are placeholders, cycled: ordinary merged tokens of a byte-level BPE (ids
+# past the 256 byte tokens and a few special ones), which decode to text as they stream; single
+# bytes above 0x7F would be held back by a detokenizer as incomplete characters until the end.
+_FIRST_TOKEN_ID = 300
 _TOKEN_ID_SPAN = 100
 
 
@@ -39,6 +41,8 @@ class _Stream:
     finished: bool = False
     aborted: bool = False
     output_tokens: int = 0
+    cached_tokens: int = 0
+    """From the request's record when it finished (a one-token request finishes at once)."""
 
 
 class SimEngine:
@@ -102,6 +106,7 @@ class SimEngine:
                 if stream is not None:
                     stream.finished = True
                     stream.aborted = record.aborted
+                    stream.cached_tokens = record.cached_tokens
                     stream.first.set()
                     stream.progress.set()
         if changes:
@@ -123,7 +128,7 @@ class SimEngine:
                 yield EngineChunk((), finished=True, finish_reason="abort")
                 return
             record = self.model.record(rid)
-            cached = record.cached_tokens if record is not None else 0
+            cached = record.cached_tokens if record is not None else stream.cached_tokens
             decode_wait_s = self.model.profile.step_overhead_s * self._scale
             while True:
                 produced = (
@@ -156,15 +161,20 @@ class SimEngine:
         self._wake.set()
 
     def capacity(self) -> dict[str, float]:
-        profile, tp = self.profile, self.model.tp_degree
+        """In wall-clock terms: a time scale of 2 halves the rates and doubles the times."""
+        profile, tp, scale = self.profile, self.model.tp_degree, self._scale
         return {
-            "prefill_tokens_per_s": profile.prefill_tokens_per_s(tp),
-            "decode_step_s": profile.decode_step_s(1, 0, tp),
+            "prefill_tokens_per_s": profile.prefill_tokens_per_s(tp) / scale,
+            "decode_step_s": profile.decode_step_s(1, 0, tp) * scale,
             "max_batch_tokens": profile.max_batch_tokens,
             "kv_blocks": self.kv_blocks,
             "tp_degree": tp,
-            "cpu_load_s_per_block": profile.cpu_load_s_per_block,
+            "cpu_load_s_per_block": profile.cpu_load_s_per_block * scale,
         }
+
+    def busy_s(self) -> float:
+        """Wall seconds the engine has spent running steps since it started."""
+        return self.model.busy_s * self._scale
 
     def load(self) -> EngineLoad:
         load = self.model.load()

@@ -1,0 +1,467 @@
+"""``prefixmesh replica-server``: one replica's engine behind HTTP on 127.0.0.1.
+
+Any router can sit in front of a fleet of these. Each serves the OpenAI API (completions and
+chat, streaming, ``usage.prompt_tokens_details.cached_tokens``), its prefix-cache counters on
+``/metrics`` in vLLM's names, and what the peer routers ask a worker for: ``/health``,
+``/v1/models``, vLLM's ``/tokenize`` and ``/v1/completions/render`` (vllm-router's
+``cache_aware`` calls one of them on every worker for every request), SGLang's
+``/get_server_info``, ``/get_model_info``, ``/get_load`` and ``/flush_cache``;
+``/reset_prefix_cache`` clears the cache between runs. ``/engine/*`` is the remote engine's
+native protocol (``replica/engine_server.py``), through which Ray Serve replicas forward here.
+
+The engine is the replica's own (``replica/engines/``: sim or vLLM, built by the replica
+deployment's ``make_engine``); the OpenAI request models, detokenization and stop strings are the
+ingress's (``router/``). Like ``prefixmesh.app``, this module composes both packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from prefixmesh.cache_registry.factory import make_hasher
+from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.loadtest.prompts import Vocabulary, fast_encode, word_lookup
+from prefixmesh.replica.engine_server import EngineHost, engine_routes
+from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
+from prefixmesh.router.generation import Generation, TextDelta
+from prefixmesh.router.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+)
+from prefixmesh.wire import GenerateChunk, SamplingSettings
+
+logger = logging.getLogger(__name__)
+REPLICA_HEADER = "x-prefixmesh-replica"
+
+
+class PromptTokenizer:
+    """The model's tokenizer, with an exact shortcut for the load generator's text (single-token
+    words, ``loadtest/prompts.py``): a 2,000-token prompt tokenizes in ~0.4 ms instead of ~10 ms,
+    which matters when vllm-router asks every replica to tokenize every request on two cores."""
+
+    def __init__(self, tokenizer: Any, vocabulary: Vocabulary | None) -> None:
+        self.hf = tokenizer
+        self._lookup = word_lookup(vocabulary) if vocabulary is not None else {}
+        self._bos = vocabulary.bos_id if vocabulary is not None else None
+
+    async def encode(self, text: str) -> list[int]:
+        fast = fast_encode(text, self._lookup, self._bos) if self._lookup else None
+        if fast is not None:
+            return fast
+        return list(await asyncio.to_thread(lambda: self.hf(text)["input_ids"]))
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        def render() -> list[int]:
+            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+
+        return await asyncio.to_thread(render)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.hf.decode(ids, skip_special_tokens=True))
+
+
+class _EngineStream:
+    """An engine's output in the shape ``Generation`` reads (a Serve stream's)."""
+
+    def __init__(self, chunks: AsyncIterator[EngineChunk], replica_id: str) -> None:
+        self._chunks = chunks
+        self._replica_id = replica_id
+        self._closing: asyncio.Task[None] | None = None
+
+    async def __anext__(self) -> GenerateChunk:
+        chunk = await self._chunks.__anext__()
+        return GenerateChunk(
+            chunk.token_ids,
+            chunk.finished,
+            chunk.finish_reason,
+            chunk.num_cached_tokens,
+            self._replica_id,
+        )
+
+    def cancel(self) -> None:
+        # Closing the engine's generator aborts the request there (and frees its KV).
+        close = getattr(self._chunks, "aclose", None)
+        if close is not None and self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(close())
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return str(content)
+
+
+def _choice_delta(delta: TextDelta, chat: bool) -> dict[str, Any]:
+    if chat:
+        content = {"content": delta.text} if delta.text else {}
+        return {"index": 0, "delta": content, "finish_reason": delta.finish_reason}
+    return {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+
+
+class ReplicaService:
+    """The OpenAI API and the worker APIs the peers probe, over one ``EngineHost``."""
+
+    def __init__(
+        self,
+        config: PrefixmeshConfig,
+        host: EngineHost,
+        tokenizer: PromptTokenizer,
+        *,
+        engine_kind: str,
+        model_dir: str,
+    ) -> None:
+        self.config = config
+        self.host = host
+        self.tokenizer = tokenizer
+        self.engine_kind = engine_kind
+        self.model_dir = model_dir
+        self.fingerprint = make_hasher(config).fingerprint.to_json()
+        self.max_model_len = config.replica.vllm.max_model_len
+        self.started = time.time()
+
+    @property
+    def replica_id(self) -> str:
+        return self.host.replica_id
+
+    # ---- generation --------------------------------------------------------------------------
+
+    async def respond(self, body: Any, chat: bool) -> Response:
+        if body.model != self.config.model:
+            raise APIError(
+                404,
+                f"model {body.model!r} does not exist; this replica serves {self.config.model!r}",
+                param="model",
+                code="model_not_found",
+            )
+        if chat:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = await self.tokenizer.encode_chat(messages)
+            max_tokens = body.max_completion_tokens or body.max_tokens
+        else:
+            prompt = body.prompt
+            ids = list(prompt) if isinstance(prompt, list) else await self.tokenizer.encode(prompt)
+            max_tokens = body.max_tokens
+        if not ids:
+            raise APIError(422, "the prompt is empty", param="prompt")
+        room = self.max_model_len - len(ids)
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            raise APIError(
+                413,
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}",
+                param="max_tokens" if room > 0 else "prompt",
+                code="context_length_exceeded",
+            )
+        eos = self.tokenizer.hf.eos_token_id
+        sampling = SamplingSettings(
+            max_tokens=max_tokens if max_tokens is not None else room,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop_token_ids=() if body.ignore_eos or eos is None else (eos,),
+            ignore_eos=body.ignore_eos,
+        )
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request = EngineRequest(request_id, tuple(ids), sampling)
+        stream = _EngineStream(self.host.generate(request), self.replica_id)
+        generation = Generation(
+            stream, self.tokenizer.decode, len(ids), body.stop_strings(), _nothing, _nothing
+        )
+        try:
+            await generation.first()
+        except Exception as exc:
+            logger.exception("request %s failed before its first token", request_id)
+            raise APIError(503, f"the engine failed: {exc}", error_type="server_error") from None
+        headers = {REPLICA_HEADER: self.replica_id}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._sse_stream(generation, request_id, chat, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        parts, finish = [], "stop"
+        async for delta in generation.deltas():
+            parts.append(delta.text)
+            finish = delta.finish_reason or finish
+        body_json = self._full_body(request_id, chat, "".join(parts), finish, generation)
+        return JSONResponse(body_json, headers=headers)
+
+    async def _sse_stream(
+        self, generation: Generation, request_id: str, chat: bool, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        base = {
+            "id": request_id,
+            "created": int(time.time()),
+            "model": self.config.model,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+        }
+        if chat:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+            yield _sse({**base, "choices": [{**role, "finish_reason": None}]})
+        try:
+            async for delta in generation.deltas():
+                yield _sse({**base, "choices": [_choice_delta(delta, chat)]})
+        except Exception as exc:  # the engine failed mid-stream: say so, then end the stream
+            logger.exception("stream %s failed", request_id)
+            error = APIError(502, f"the engine failed mid-stream: {exc}", error_type="server_error")
+            yield _sse(error.body())
+        else:
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": generation.usage.as_dict()})
+        yield _sse("[DONE]")
+
+    def _full_body(
+        self, request_id: str, chat: bool, text: str, finish: str, generation: Generation
+    ) -> dict[str, Any]:
+        base: dict[str, Any] = {
+            "id": request_id,
+            "created": int(time.time()),
+            "model": self.config.model,
+            "usage": generation.usage.as_dict(),
+        }
+        if chat:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "finish_reason": finish}
+            return {**base, "object": "chat.completion", "choices": [choice]}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**base, "object": "text_completion", "choices": [choice]}
+
+    # ---- what the remote engine and the peers ask for -----------------------------------------
+
+    def engine_info(self) -> dict[str, Any]:
+        engine = self.host.live_engine
+        return {
+            "replica_id": self.replica_id,
+            "engine": self.engine_kind,
+            "fingerprint": self.fingerprint,
+            "block_size": self.config.cache.block_size,
+            "kv_blocks": engine.kv_blocks,
+            "capacity": engine.capacity(),
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        """SGLang's /get_server_info. The model path is a local folder, so a router that loads
+        a tokenizer for it (sglang-router does) reads it from disk, not from a model hub."""
+        block = self.config.cache.block_size
+        return {
+            "model_path": self.model_dir,
+            "tokenizer_path": self.model_dir,
+            "served_model_name": self.config.model,
+            "dp_size": 1,
+            "tp_size": 1,
+            "page_size": block,
+            "max_total_num_tokens": self.host.live_engine.kv_blocks * block,
+            "version": "prefixmesh-replica-server",
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_dir,
+            "tokenizer_path": self.model_dir,
+            "is_generation": True,
+            "served_model_name": self.config.model,
+        }
+
+    def render(self, body: dict[str, Any], ids: list[int], prefix: str) -> dict[str, Any]:
+        """vLLM's renderer API: a request's token ids, without generating."""
+        return {
+            "request_id": f"{prefix}-{uuid.uuid4().hex[:16]}",
+            "token_ids": ids,
+            "sampling_params": {"max_tokens": body.get("max_tokens")},
+            "model": body.get("model") or self.config.model,
+            "stream": bool(body.get("stream")),
+            "stream_options": body.get("stream_options"),
+            "token_offsets": None,
+        }
+
+    async def tokens_of(self, body: dict[str, Any]) -> list[int]:
+        """Token ids of a /tokenize or render body: ``prompt`` (text or ids) or ``messages``."""
+        if "messages" in body:
+            messages = [
+                {"role": str(m.get("role", "user")), "content": _text(m.get("content"))}
+                for m in body["messages"]
+            ]
+            return await self.tokenizer.encode_chat(messages)
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt]
+        return await self.tokenizer.encode(_text(prompt))
+
+
+def _nothing() -> None:
+    return None
+
+
+def build_app(service: ReplicaService) -> FastAPI:
+    """The HTTP surface of one replica; the engine starts and stops with the app."""
+    host = service.host
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await host.live_engine.start()
+        logger.info("replica %s ready (%s engine)", service.replica_id, service.engine_kind)
+        try:
+            yield
+        finally:
+            await host.live_engine.shutdown()
+
+    app = FastAPI(title="prefixmesh replica", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.include_router(engine_routes(host, service.engine_info))
+
+    async def openai(request: Request, model: type[Any], chat: bool) -> Response:
+        try:
+            return await service.respond(parse_body(await request.body(), model), chat)
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await openai(request, CompletionRequest, False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await openai(request, ChatCompletionRequest, True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": service.config.model,
+            "object": "model",
+            "created": int(service.started),
+            "owned_by": "prefixmesh",
+            "max_model_len": service.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": "prefixmesh-replica-server"}
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return service.server_info()
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        return service.model_info()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        ids = await service.tokens_of(await request.json())
+        count, limit = len(ids), service.max_model_len
+        return {"count": count, "max_model_len": limit, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, str]:
+        body = await request.json()
+        return {"prompt": service.tokenizer.decode(body.get("tokens", []))}
+
+    @app.post("/v1/completions/render")
+    async def completions_render(request: Request) -> list[dict[str, Any]]:
+        body = await request.json()
+        prompt = body.get("prompt", "")
+        several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+        return [
+            service.render(body, await service.tokens_of({"prompt": one}), "cmpl")
+            for one in (prompt if several else [prompt])
+        ]
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_render(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        return service.render(body, await service.tokens_of(body), "chatcmpl")
+
+    return app
+
+
+def make_service(
+    config: PrefixmeshConfig, engine_kind: str, replica_id: str, rank: int = 0
+) -> ReplicaService:
+    """One replica server's service: its engine (started by the app) and the model's
+    tokenizer (the demo model's unless ``replica.model_path`` names one)."""
+    from transformers import AutoTokenizer
+
+    from prefixmesh.app import resolve_model_path
+    from prefixmesh.replica.deployment import make_engine
+
+    if engine_kind not in ("sim", "vllm"):
+        raise ValueError(f"engine must be sim or vllm, got {engine_kind!r}")
+    config = config.model_copy(
+        update={"replica": config.replica.model_copy(update={"engine": engine_kind})}
+    )
+    model_dir = resolve_model_path(config)
+    host = EngineHost(config.model, replica_id)
+    host.attach(make_engine(config, model_dir, rank, host.sink))
+    try:
+        vocabulary: Vocabulary | None = Vocabulary.from_tokenizer_dir(model_dir)
+    except (OSError, ValueError):  # no tokenizer.json, or no single-token words: no shortcut
+        vocabulary = None
+    tokenizer = PromptTokenizer(AutoTokenizer.from_pretrained(model_dir), vocabulary)
+    return ReplicaService(config, host, tokenizer, engine_kind=engine_kind, model_dir=model_dir)
+
+
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["sim", "vllm"], default="sim")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="listen address (default loopback; anything else exposes the replica)",
+    )
+    parser.add_argument("--replica-id", help="name in headers and metrics (default r<port>)")
+    parser.add_argument(
+        "--rank", type=int, default=0, help="vllm on CPU: bind the engine to core rank mod cores"
+    )
+    parser.add_argument("--config", help="YAML config (model, cache, replica.sim, replica.vllm)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE"
+    )
+    parser.add_argument("--log-level", default="warning")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str], prog: str = "replica-server") -> int:
+    args = parse_args(argv, prog)
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"{prog}: listening on {args.host}, not loopback", file=sys.stderr)
+    config = load_config(args.config, args.overrides)
+    service = make_service(config, args.engine, args.replica_id or f"r{args.port}", args.rank)
+    uvicorn.run(
+        build_app(service),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    return 0

@@ -1,0 +1,294 @@
+"""The remote engine: a Serve replica whose engine runs in a replica server over HTTP.
+
+``prefixmesh replica-server`` runs one engine (sim or vLLM) behind the OpenAI API and behind a
+small native protocol, token ids in and token ids out, defined here:
+
+- ``GET  /engine/info``: the engine's cache fingerprint, KV capacity and timing capacity;
+- ``POST /engine/generate``: one request (``encode_request``), answered as NDJSON, one
+  ``encode_chunk`` object a line; closing the response aborts the request in the engine;
+- ``GET  /engine/events``: a long-lived NDJSON stream; the first line is a snapshot of every
+  block the engine holds, then each batch of cache changes as it happens, and the engine's
+  load every ``load_interval_s``;
+- ``POST /engine/abort``, ``POST /reset_prefix_cache``.
+
+With it, Ray Serve's request routers (ours and Ray's own) sit in front of the same engines as
+routers that speak HTTP to workers (sglang-router, vllm-router): the Serve replica of rank r
+forwards to replica server r and republishes that server's cache events to our registry, so our
+router sees what the remote engine holds, with one HTTP hop of delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixmesh.cache_registry.hashing import BlockHasher
+from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
+from prefixmesh.replica.engines.base import (
+    BlockChange,
+    CacheChangeSink,
+    EngineChunk,
+    EngineLoad,
+    EngineRequest,
+)
+from prefixmesh.wire import SamplingSettings
+
+logger = logging.getLogger(__name__)
+
+# ---- the wire format (shared with the replica server) ------------------------------------------
+
+
+def encode_request(request: EngineRequest) -> dict[str, Any]:
+    s = request.sampling
+    return {
+        "request_id": request.request_id,
+        "prompt_token_ids": list(request.prompt_token_ids),
+        "sampling": {
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "seed": s.seed,
+            "stop_token_ids": list(s.stop_token_ids),
+            "ignore_eos": s.ignore_eos,
+        },
+    }
+
+
+def decode_request(data: Mapping[str, Any]) -> EngineRequest:
+    s = data["sampling"]
+    sampling = SamplingSettings(
+        max_tokens=int(s["max_tokens"]),
+        temperature=float(s.get("temperature", 1.0)),
+        top_p=float(s.get("top_p", 1.0)),
+        seed=s.get("seed"),
+        stop_token_ids=tuple(int(t) for t in s.get("stop_token_ids", ())),
+        ignore_eos=bool(s.get("ignore_eos", False)),
+    )
+    ids = tuple(int(t) for t in data["prompt_token_ids"])
+    return EngineRequest(str(data["request_id"]), ids, sampling)
+
+
+def encode_chunk(chunk: EngineChunk) -> dict[str, Any]:
+    return {
+        "token_ids": list(chunk.token_ids),
+        "finished": chunk.finished,
+        "finish_reason": chunk.finish_reason,
+        "num_cached_tokens": chunk.num_cached_tokens,
+    }
+
+
+def decode_chunk(data: Mapping[str, Any]) -> EngineChunk:
+    return EngineChunk(
+        tuple(data["token_ids"]),
+        bool(data["finished"]),
+        data.get("finish_reason"),
+        int(data.get("num_cached_tokens", 0)),
+    )
+
+
+def encode_changes(changes: Sequence[BlockChange]) -> list[dict[str, Any]]:
+    return [
+        {
+            "kind": c.kind.value,
+            "tier": None if c.tier is None else int(c.tier),
+            "blocks": list(c.block_hashes),
+        }
+        for c in changes
+    ]
+
+
+def decode_changes(data: Sequence[Mapping[str, Any]]) -> list[BlockChange]:
+    return [
+        BlockChange(
+            EventKind(c["kind"]),
+            None if c["tier"] is None else Tier(c["tier"]),
+            tuple(BlockHash(int(h)) for h in c["blocks"]),
+        )
+        for c in data
+    ]
+
+
+def encode_load(load: EngineLoad) -> dict[str, Any]:
+    return {
+        "waiting_requests": load.waiting_requests,
+        "running_requests": load.running_requests,
+        "kv_usage": load.kv_usage,
+        "prefix_cache_queries_tokens": load.prefix_cache_queries_tokens,
+        "prefix_cache_hit_tokens": load.prefix_cache_hit_tokens,
+    }
+
+
+def decode_load(data: Mapping[str, Any]) -> EngineLoad:
+    return EngineLoad(
+        waiting_requests=int(data["waiting_requests"]),
+        running_requests=int(data["running_requests"]),
+        kv_usage=float(data["kv_usage"]),
+        prefix_cache_queries_tokens=int(data["prefix_cache_queries_tokens"]),
+        prefix_cache_hit_tokens=int(data["prefix_cache_hit_tokens"]),
+    )
+
+
+class HeldMirror:
+    """What the remote engine holds in its engine tier, rebuilt from its event stream."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[BlockHash, None] = {}  # insertion-ordered set
+
+    def snapshot(self, blocks: Sequence[BlockHash]) -> list[BlockChange]:
+        """Replace everything; the changes that tell a registry the same."""
+        self._blocks = dict.fromkeys(blocks)
+        return [
+            BlockChange(EventKind.CLEARED, None),
+            BlockChange(EventKind.STORED, Tier.GPU, tuple(self._blocks)),
+        ]
+
+    def apply(self, changes: Sequence[BlockChange]) -> None:
+        for change in changes:
+            if change.kind is EventKind.CLEARED:
+                if change.tier in (None, Tier.GPU):
+                    self._blocks.clear()
+            elif change.tier is Tier.GPU:
+                if change.kind is EventKind.STORED:
+                    self._blocks.update(dict.fromkeys(change.block_hashes))
+                else:
+                    for block in change.block_hashes:
+                        self._blocks.pop(block, None)
+
+    def blocks(self) -> tuple[BlockHash, ...]:
+        return tuple(self._blocks)
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RemoteEngineSettings:
+    url: str
+    """Base URL of the replica server."""
+    connect_timeout_s: float = 60.0
+    request_timeout_s: float = 600.0
+    reconnect_interval_s: float = 0.5
+
+
+class RemoteEngine:
+    """An ``Engine`` that forwards to a replica server (see the module docstring)."""
+
+    def __init__(
+        self, settings: RemoteEngineSettings, hasher: BlockHasher, sink: CacheChangeSink
+    ) -> None:
+        self.settings = settings
+        self.url = settings.url.rstrip("/")
+        self.kv_blocks = 0
+        self._hasher = hasher
+        self._sink = sink
+        self._capacity: dict[str, float] = {}
+        self._load = EngineLoad()
+        self._mirror = HeldMirror()
+        self._client: Any = None
+        self._events_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        import httpx
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        timeout = httpx.Timeout(self.settings.request_timeout_s, connect=10.0)
+        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
+        info = await self._wait_for_info()
+        ours = self._hasher.fingerprint.to_json()
+        if info["fingerprint"] != ours:
+            raise RuntimeError(
+                f"replica server {self.url} hashes blocks as {info['fingerprint']}, this "
+                f"cluster as {ours}: router keys would never match (align cache.* and model)"
+            )
+        self.kv_blocks = int(info["kv_blocks"])
+        self._capacity = {k: float(v) for k, v in info["capacity"].items()}
+        self._events_task = asyncio.get_running_loop().create_task(self._follow_events())
+        logger.info("remote engine %s: %d KV blocks", self.url, self.kv_blocks)
+
+    async def _wait_for_info(self) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.connect_timeout_s
+        while True:
+            try:
+                response = await self._client.get("/engine/info", timeout=5.0)
+                response.raise_for_status()
+                return dict(response.json())
+            except Exception as exc:
+                if loop.time() > deadline:
+                    raise RuntimeError(f"replica server {self.url} did not answer: {exc}") from exc
+                await asyncio.sleep(0.2)
+
+    async def _follow_events(self) -> None:
+        """Mirror the server's cache; every (re)connection starts with a full snapshot, so a
+        broken stream heals: the registry hears "cleared" and then everything held now."""
+        while True:
+            try:
+                async with self._client.stream("GET", "/engine/events", timeout=None) as response:
+                    response.raise_for_status()
+                    async for line in response.aiter_lines():
+                        if line:
+                            self._on_event(json.loads(line))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("cache events from %s broke off: %s", self.url, exc)
+            await asyncio.sleep(self.settings.reconnect_interval_s)
+
+    def _on_event(self, message: Mapping[str, Any]) -> None:
+        if "snapshot" in message:
+            blocks = [BlockHash(int(h)) for h in message["snapshot"]]
+            self._sink(self._mirror.snapshot(blocks))
+        if "changes" in message:
+            changes = decode_changes(message["changes"])
+            self._mirror.apply(changes)
+            self._sink(changes)
+        if "load" in message:
+            self._load = decode_load(message["load"])
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        body = encode_request(request)
+        async with self._client.stream("POST", "/engine/generate", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")[:300]
+                raise RuntimeError(f"replica server {self.url}: {response.status_code} {text}")
+            async for line in response.aiter_lines():
+                if line:
+                    yield decode_chunk(json.loads(line))
+        # Leaving the block early (the caller closed this generator) closes the connection,
+        # which aborts the request in the remote engine.
+
+    async def abort(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await self._client.post("/engine/abort", json={"request_id": request_id})
+
+    def capacity(self) -> dict[str, float]:
+        return dict(self._capacity)
+
+    def load(self) -> EngineLoad:
+        return self._load
+
+    def held_blocks(self) -> tuple[BlockHash, ...]:
+        return self._mirror.blocks()
+
+    async def reset_prefix_cache(self) -> bool:
+        response = await self._client.post("/reset_prefix_cache")
+        return response.status_code == 200
+
+    def close(self) -> None:
+        if self._events_task is not None:
+            self._events_task.cancel()
+
+    async def shutdown(self) -> None:
+        if self._events_task is not None:
+            self._events_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._events_task
+            self._events_task = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

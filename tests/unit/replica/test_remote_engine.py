@@ -1,0 +1,150 @@
+"""The remote engine against a live replica server (sim engine, loopback): it generates there,
+mirrors what the server's engine holds from its event stream (a snapshot first), aborts there
+when the caller stops reading, and refuses a server that hashes blocks differently."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from prefixmesh.cache_registry.factory import make_hasher
+from prefixmesh.cache_registry.types import EventKind
+from prefixmesh.replica.engines.base import BlockChange, EngineRequest
+from prefixmesh.replica.engines.remote_engine import (
+    HeldMirror,
+    RemoteEngine,
+    RemoteEngineSettings,
+    decode_changes,
+    decode_chunk,
+    decode_request,
+    encode_changes,
+    encode_chunk,
+    encode_request,
+)
+from prefixmesh.wire import SamplingSettings
+from tests.unit.replica.conftest import LiveServer, sim_config
+
+PROMPT = tuple(range(3, 303))  # 300 tokens: two full blocks of 128
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not check():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_the_wire_format_round_trips() -> None:
+    request = EngineRequest("a", (5, 6), SamplingSettings(3, 0.5, 0.9, 7, (1,), True))
+    assert decode_request(encode_request(request)) == request
+    hasher = make_hasher(sim_config())
+    blocks = hasher.hash_tokens(PROMPT).block_hashes
+    changes = [
+        BlockChange(EventKind.STORED, block_hashes=blocks),
+        BlockChange(EventKind.CLEARED, None),
+    ]
+    assert decode_changes(encode_changes(changes)) == changes
+    chunk = decode_chunk({"token_ids": [1], "finished": True, "finish_reason": "length"})
+    assert decode_chunk(encode_chunk(chunk)) == chunk
+
+
+def test_the_mirror_follows_stores_removals_and_clears() -> None:
+    mirror = HeldMirror()
+    told = mirror.snapshot([1, 2])  # type: ignore[list-item]
+    assert [c.kind for c in told] == [EventKind.CLEARED, EventKind.STORED]
+    mirror.apply([BlockChange(EventKind.STORED, block_hashes=(3,))])  # type: ignore[arg-type]
+    mirror.apply([BlockChange(EventKind.REMOVED, block_hashes=(1,))])  # type: ignore[arg-type]
+    assert mirror.blocks() == (2, 3)
+    mirror.apply([BlockChange(EventKind.CLEARED, None)])
+    assert mirror.blocks() == ()
+
+
+async def test_generates_remotely_and_mirrors_the_cache(
+    live_replica_server: Callable[..., LiveServer],
+) -> None:
+    server = live_replica_server()
+    seen: list[BlockChange] = []
+
+    def sink(changes: Sequence[BlockChange]) -> None:
+        seen.extend(changes)
+
+    hasher = make_hasher(sim_config())
+    engine = RemoteEngine(RemoteEngineSettings(server.url), hasher, sink)
+    await engine.start()
+    try:
+        assert engine.kv_blocks == 64 and engine.capacity()["prefill_tokens_per_s"] > 0
+        request = EngineRequest("g1", PROMPT, SamplingSettings(max_tokens=3))
+        chunks = [c async for c in engine.generate(request)]
+        assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finished
+        expected = hasher.hash_tokens(PROMPT).block_hashes
+        await eventually(lambda: set(expected) <= set(engine.held_blocks()))
+        assert any(
+            c.kind is EventKind.STORED and set(c.block_hashes) == set(expected) for c in seen
+        )
+        again = [c async for c in engine.generate(EngineRequest("g2", PROMPT, SamplingSettings(1)))]
+        assert again[0].num_cached_tokens == 256
+        await eventually(lambda: engine.load().prefix_cache_hit_tokens == 256)
+
+        # stop reading mid-stream: the request is aborted in the server's engine
+        long = engine.generate(EngineRequest("g3", PROMPT, SamplingSettings(max_tokens=1000)))
+        await long.__anext__()
+        await long.aclose()  # type: ignore[attr-defined]
+        host = server.service.host  # type: ignore[attr-defined]
+        await eventually(lambda: host.counters.running == 0)
+
+        # a reset frees what no request uses (the aborted one may still hold its blocks for a
+        # step), so reset until the cache is empty, as `prefixmesh compare` does
+        for _ in range(100):
+            assert await engine.reset_prefix_cache()
+            await asyncio.sleep(0.05)
+            if engine.held_blocks() == ():
+                break
+        assert engine.held_blocks() == ()
+        assert any(c.kind is EventKind.REMOVED for c in seen)
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_late_subscriber_starts_from_a_snapshot(
+    live_replica_server: Callable[..., LiveServer],
+) -> None:
+    server = live_replica_server()
+    hasher = make_hasher(sim_config())
+    first = RemoteEngine(RemoteEngineSettings(server.url), hasher, lambda _: None)
+    await first.start()
+    try:
+        request = EngineRequest("s1", PROMPT, SamplingSettings(max_tokens=1))
+        _ = [c async for c in first.generate(request)]
+        told: list[BlockChange] = []
+        late = RemoteEngine(RemoteEngineSettings(server.url), hasher, told.extend)
+        await late.start()
+        expected = set(hasher.hash_tokens(PROMPT).block_hashes)
+        await eventually(lambda: set(late.held_blocks()) == expected)
+        assert told[0].kind is EventKind.CLEARED and set(told[1].block_hashes) == expected
+        await late.shutdown()
+    finally:
+        await first.shutdown()
+
+
+async def test_a_server_that_hashes_differently_is_refused(
+    live_replica_server: Callable[..., LiveServer],
+) -> None:
+    server = live_replica_server()
+    other = make_hasher(sim_config("cache.hash_seed=9"))
+    engine = RemoteEngine(RemoteEngineSettings(server.url), other, lambda _: None)
+    with pytest.raises(RuntimeError, match="hashes blocks"):
+        await engine.start()
+    await engine.shutdown()
+
+
+async def test_an_absent_server_fails_within_the_connect_timeout() -> None:
+    from prefixmesh.cache_registry.redis_server import free_port
+
+    settings = RemoteEngineSettings(f"http://127.0.0.1:{free_port()}", connect_timeout_s=0.5)
+    engine = RemoteEngine(settings, make_hasher(sim_config()), lambda _: None)
+    with pytest.raises(RuntimeError, match="did not answer"):
+        await engine.start()
+    await engine.shutdown()

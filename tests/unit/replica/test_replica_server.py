@@ -1,0 +1,176 @@
+"""The standalone replica server with the sim engine, in-process: the OpenAI API with cached
+tokens, vLLM's metric names, the endpoints the peer routers call, the cache reset, and the
+remote engine's native protocol."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from prefixmesh.loadtest.keys import Segment
+from prefixmesh.loadtest.prompts import PromptRenderer, Vocabulary
+from prefixmesh.loadtest.report import prefix_cache_counters
+from prefixmesh.replica_server import ReplicaService, build_app, make_service
+from tests.unit.replica.conftest import sim_config
+
+MODEL = "demo-tiny"
+
+
+@pytest.fixture(scope="module")
+def service() -> ReplicaService:
+    return make_service(sim_config(), "sim", "r7")
+
+
+@pytest.fixture(scope="module")
+def client(service: ReplicaService) -> Iterator[TestClient]:
+    with TestClient(build_app(service)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def render(service: ReplicaService) -> PromptRenderer:
+    return PromptRenderer(Vocabulary.from_tokenizer_dir(service.model_dir))
+
+
+def sse(client: TestClient, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["x-prefixmesh-replica"] == "r7"
+        return [
+            json.loads(line[6:])
+            for line in response.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+
+
+def usage_of(events: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(e["usage"] for e in events if e.get("usage"))
+
+
+def test_completions_stream_text_and_report_cached_tokens(
+    client: TestClient, render: PromptRenderer
+) -> None:
+    prompt = render.text((Segment(101, 300),))
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first = sse(client, "/v1/completions", body)
+    texts = [c["choices"][0]["text"] for c in first if c["choices"]]
+    assert len(texts) >= 2 and all(texts)  # the sim's tokens decode as they stream
+    assert usage_of(first) == {
+        "prompt_tokens": 301,
+        "completion_tokens": 4,
+        "total_tokens": 305,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    again = sse(client, "/v1/completions", body)
+    assert usage_of(again)["prompt_tokens_details"]["cached_tokens"] == 256  # two full blocks
+    # the same prompt as token ids is the same prompt
+    ids = render.token_ids((Segment(101, 300),))
+    plain = client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 2})
+    assert plain.status_code == 200
+    assert plain.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+    assert plain.json()["object"] == "text_completion"
+
+
+def test_chat_stream(client: TestClient) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        "max_completion_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = sse(client, "/v1/chat/completions", body)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert usage_of(events)["completion_tokens"] == 3
+    full = client.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    assert full["object"] == "chat.completion" and full["choices"][0]["message"]["content"]
+
+
+def test_metrics_use_vllm_names(client: TestClient, render: PromptRenderer) -> None:
+    before = prefix_cache_counters(client.get("/metrics").text)
+    ids = render.token_ids((Segment(102, 200),))
+    for _ in range(2):
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 1}
+        assert client.post("/v1/completions", json=body).status_code == 200
+    text = client.get("/metrics").text
+    after = prefix_cache_counters(text)
+    assert (after[0] - before[0], after[1] - before[1]) == (402, 128)
+    assert 'vllm:prefix_cache_hits_total{model_name="demo-tiny",engine="0"}' in text
+    assert 'prefixmesh_replica_requests_total{replica="r7"}' in text
+    assert "prefixmesh_replica_engine_busy_seconds_total" in text
+
+
+def test_what_vllm_router_asks_for(client: TestClient, render: PromptRenderer) -> None:
+    text = render.text((Segment(103, 40),))
+    ids = render.token_ids((Segment(103, 40),))
+    tokenized = client.post("/tokenize", json={"prompt": text}).json()
+    assert tokenized["tokens"] == ids and tokenized["count"] == 41
+    assert tokenized["max_model_len"] == 4096
+    rendered = client.post("/v1/completions/render", json={"model": MODEL, "prompt": text}).json()
+    assert isinstance(rendered, list) and rendered[0]["token_ids"] == ids
+    assert client.post("/v1/completions/render", json={"prompt": ids}).json()[0]["token_ids"] == ids
+    chat = client.post(
+        "/v1/chat/completions/render", json={"messages": [{"role": "user", "content": "hi"}]}
+    ).json()
+    assert chat["token_ids"][0] == 0 and len(chat["token_ids"]) > 3
+    decoded = client.post("/detokenize", json={"tokens": ids[1:3]}).json()["prompt"]
+    assert text.startswith(decoded) and decoded.count(" ") == 2
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == MODEL
+
+
+def test_what_sglang_router_asks_for(client: TestClient, service: ReplicaService) -> None:
+    assert client.get("/health").status_code == 200
+    info = client.get("/get_server_info").json()
+    assert info["model_path"] == service.model_dir  # a local folder, never a hub id
+    assert info["max_total_num_tokens"] == 64 * 128
+    assert client.get("/get_model_info").json()["is_generation"] is True
+    load = client.get("/get_load").json()
+    assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] == 0
+
+
+def test_the_cache_reset_empties_the_cache(client: TestClient, render: PromptRenderer) -> None:
+    ids = render.token_ids((Segment(104, 300),))
+    client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1})
+    blocks = "prefixmesh_replica_cached_blocks"
+    assert f'{blocks}{{replica="r7"}} 0\n' not in client.get("/metrics").text
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        assert client.post(path).status_code == 200
+        assert f'{blocks}{{replica="r7"}} 0\n' in client.get("/metrics").text
+    again = client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1})
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_errors_are_openai_json(client: TestClient) -> None:
+    wrong = client.post("/v1/completions", json={"model": "other", "prompt": "x"})
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+    bad = client.post("/v1/completions", content=b"{not json")
+    assert bad.status_code == 400
+    long = client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 5000})
+    assert long.status_code == 413 and long.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_the_native_engine_protocol(client: TestClient, service: ReplicaService) -> None:
+    info = client.get("/engine/info").json()
+    assert info["fingerprint"] == service.fingerprint and info["kv_blocks"] == 64
+    assert info["capacity"]["prefill_tokens_per_s"] > 0
+    body = {
+        "request_id": "n1",
+        "prompt_token_ids": list(range(3, 203)),
+        "sampling": {"max_tokens": 3},
+    }
+    with client.stream("POST", "/engine/generate", json=body) as response:
+        chunks = [json.loads(line) for line in response.iter_lines() if line]
+    assert sum(len(c["token_ids"]) for c in chunks) == 3
+    assert chunks[-1]["finished"] and chunks[-1]["finish_reason"] == "length"
