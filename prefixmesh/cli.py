@@ -39,6 +39,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixmesh.replica_server",
         "one replica's engine (sim or vllm) behind the OpenAI API on 127.0.0.1",
     ),
+    "loadtest": (
+        "prefixmesh.loadtest.loadtest_cli",
+        "locust load test with open-loop Poisson (or trace) arrivals; report and plots",
+    ),
+    "compare": (
+        "prefixmesh.loadtest.compare",
+        "prefixmesh vs Ray Serve's routers vs sglang-router vs vllm-router on the same replicas",
+    ),
 }
 
 
