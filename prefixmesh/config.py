@@ -161,7 +161,7 @@ class PrefixmeshPolicyConfig(_Section):
     overload_wait_rel: float = Field(default=1.5, ge=1)
     """The guard also needs the queue wait above this multiple of the least-loaded one's
     (SGLang's balance_rel_threshold): a uniformly backlogged fleet keeps its affinity."""
-    queue_externality: float = Field(default=1.0, ge=0)
+    queue_externality: float = Field(default=2.0, ge=0)
     """Weight of the delay a request's first chunk adds to the requests already waiting for
     their first token on a replica (they share its step). 1 = theirs counts as much as its
     own: the estimate then minimises the sum of TTFTs, not this request's alone."""

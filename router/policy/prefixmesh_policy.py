@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter
 
 from prefixmesh.cache_registry.types import BlockHash, PrefixHit, ReplicaId
@@ -182,13 +182,9 @@ class PrefixmeshPolicy:
         price = config.recompute_penalty + self._fleet_backlog_s / config.pressure_wait_s
         if self.decode_cost is not None:
             self.model.running_cost = self.decode_cost.value
-        hits = view.hits
-        group_members = self._members(request, replicas, view, now_s)
-        members = None
-        if group_members is not None:
-            members, member_ids = group_members
-            hits = self._as_if_held(hits, member_ids)
-        estimates = self.model.estimate(request, replicas, hits, price)
+        members = self._members(request, replicas, view, now_s)
+        credit = None if members is None else self._credit(view.hits, members, len(replicas))
+        estimates = self.model.estimate(request, replicas, view.hits, price, credit)
         backlog_s = estimates.least_backlog_s
         self._fleet_backlog_s = backlog_s if backlog_s == backlog_s else 0.0  # NaN: forget
         cost = estimates.cost
@@ -275,14 +271,14 @@ class PrefixmeshPolicy:
         nobody_overloaded = max(waits) <= limit
         if members is not None:
             inside = [i for i in members if waits[i] <= limit]
-            if hits:
-                head = self._group_blocks
-                position = self.ring.positions.get
-                for replica_id, hit in hits.items():
-                    if hit.num_blocks >= head:
-                        index = position(replica_id)
-                        if index is not None and index not in members and waits[index] <= limit:
-                            inside.append(index)
+            head = self._group_blocks
+            member_set = None
+            for index, hit, _ in estimates.holders:
+                if hit.num_blocks >= head and waits[index] <= limit:
+                    if member_set is None:
+                        member_set = set(members)
+                    if index not in member_set:
+                        inside.append(index)
             if nobody_overloaded:
                 kept, best_kept = None, min(cost)
             else:
@@ -314,9 +310,8 @@ class PrefixmeshPolicy:
         replicas: Sequence[ReplicaSnapshot],
         view: RegistryView,
         now_s: float,
-    ) -> tuple[tuple[int, ...], tuple[ReplicaId, ...]] | None:
-        """The request's hot group's k ring members: their positions in ``replicas`` and their
-        ids (None: no hot group)."""
+    ) -> tuple[int, ...] | None:
+        """Positions of the request's hot group's k ring members (None: no hot group)."""
         if not self.config.affinity_enabled:
             return None
         group = self.prefix_group(request)
@@ -328,38 +323,30 @@ class PrefixmeshPolicy:
             return None
         ring = self.ring
         ring.sync(tuple(map(_replica_id, replicas)))
-        return ring.member_positions(group, k), ring.members(group, k)
+        return ring.member_positions(group, k)
 
-    def _as_if_held(
-        self,
-        hits: Mapping[ReplicaId, PrefixHit],
-        members: tuple[ReplicaId, ...],
-    ) -> Mapping[ReplicaId, PrefixHit]:
-        """The hits, with every member credited with the group's shared prefix: the longest
-        run of blocks some replica holds confirmed, if it covers the group's head.
+    def _credit(
+        self, hits: Mapping[ReplicaId, PrefixHit], members: Iterable[int], count: int
+    ) -> tuple[list[bool], int] | None:
+        """Credit every member with the group's shared prefix: the longest run of blocks some
+        replica holds confirmed, if it covers the group's head (None: nothing to credit).
 
         The group's rate bought it k replicas; a member that has no copy yet gets one from the
         next request sent there, which is therefore not charged for computing it: members
         compete on load, as in the survey's affinity groups, and a hot prefix spreads before
         its holders queue up instead of after (a greedy TTFT estimate only copies a prefix
         once its holders are slower than a full recompute)."""
-        if not hits:
-            return hits
         shared = 0
         for hit in hits.values():
             confirmed = hit.num_blocks - hit.num_speculative
             if confirmed > shared:
                 shared = confirmed
         if shared < self._group_blocks:
-            return hits
-        credited = dict(hits)
-        credit = PrefixHit(shared, (shared, 0, 0), 0)
-        get = credited.get
-        for replica_id in members:
-            hit = get(replica_id)
-            if hit is None or hit.num_blocks < shared:
-                credited[replica_id] = credit
-        return credited
+            return None
+        flags = [False] * count
+        for index in members:
+            flags[index] = True
+        return flags, shared
 
     # ---- delay-hit deferral ------------------------------------------------------------------
 

@@ -15,8 +15,10 @@ from uhashring import HashRing
 
 from prefixmesh.cache_registry.types import ReplicaId
 
-_MAX_CACHED_KEYS = 4096
-"""Memoised ``members`` answers; cleared when the fleet changes or the memo fills up."""
+_MAX_CACHED_KEYS = 8192
+"""Keys whose walk around the ring is memoised; cleared when the fleet changes or the memo
+fills up. One walk per key serves every k: the first k members are a prefix of the first
+k + 1, so a group whose k moves costs no new walk until it grows past the longest one."""
 
 
 class ReplicaRing:
@@ -28,8 +30,10 @@ class ReplicaRing:
         self._position: dict[ReplicaId, int] = {}
         """Where each replica sits in that list."""
         self._members: set[ReplicaId] = set()
-        self._memo: dict[tuple[int, int], tuple[ReplicaId, ...]] = {}
-        self._positions_memo: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._walks: dict[int, tuple[ReplicaId, ...]] = {}
+        """Per key, the longest walk computed so far (distinct replicas, clockwise)."""
+        self._position_walks: dict[int, tuple[int, ...]] = {}
+        """The same walks as positions in the list of the last ``sync``."""
 
     def __len__(self) -> int:
         return len(self._members)
@@ -41,7 +45,7 @@ class ReplicaRing:
             return
         self._ids = ids
         self._position = {replica: i for i, replica in enumerate(ids)}
-        self._positions_memo.clear()
+        self._position_walks.clear()
         wanted = set(ids)
         if wanted == self._members:
             return  # same fleet, another order
@@ -54,7 +58,7 @@ class ReplicaRing:
             for new in sorted(wanted - self._members):
                 self._ring.add_node(new, {"vnodes": self._vnodes})
         self._members = wanted
-        self._memo.clear()
+        self._walks.clear()
 
     @property
     def positions(self) -> dict[ReplicaId, int]:
@@ -65,26 +69,29 @@ class ReplicaRing:
         """The replica owning ``key`` (the ring must hold at least one replica)."""
         return self.members(key, 1)[0]
 
+    def _walk(self, key: int, count: int) -> tuple[ReplicaId, ...]:
+        """At least the first ``count`` members of ``key``'s walk (all, if fewer)."""
+        walk = self._walks.get(key)
+        if walk is None or (len(walk) < count and len(walk) < len(self._members)):
+            if len(self._walks) >= _MAX_CACHED_KEYS:
+                self._walks.clear()
+                self._position_walks.clear()
+            walk = tuple(ReplicaId(node["nodename"]) for node in self._ring.range(str(key), count))
+            self._walks[key] = walk
+        return walk
+
     def members(self, key: int, count: int) -> tuple[ReplicaId, ...]:
         """The first ``count`` distinct replicas clockwise from ``key`` (all, if fewer)."""
         count = max(1, min(count, len(self._members)))
-        memo_key = (key, count)
-        found = self._memo.get(memo_key)
-        if found is None:
-            if len(self._memo) >= _MAX_CACHED_KEYS:
-                self._memo.clear()
-            found = tuple(ReplicaId(node["nodename"]) for node in self._ring.range(str(key), count))
-            self._memo[memo_key] = found
-        return found
+        walk = self._walk(key, count)
+        return walk if len(walk) == count else walk[:count]
 
     def member_positions(self, key: int, count: int) -> tuple[int, ...]:
         """``members``, as positions in the list of the last ``sync``."""
-        memo_key = (key, count)
-        found = self._positions_memo.get(memo_key)
-        if found is None:
-            if len(self._positions_memo) >= _MAX_CACHED_KEYS:
-                self._positions_memo.clear()
+        count = max(1, min(count, len(self._members)))
+        walk = self._position_walks.get(key)
+        if walk is None or len(walk) < count:
             position = self._position
-            found = tuple(position[replica] for replica in self.members(key, count))
-            self._positions_memo[memo_key] = found
-        return found
+            walk = tuple(position[replica] for replica in self._walk(key, count))
+            self._position_walks[key] = walk
+        return walk if len(walk) == count else walk[:count]

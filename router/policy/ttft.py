@@ -263,14 +263,20 @@ class TtftModel:
         replicas: Sequence[ReplicaSnapshot],
         hits: Mapping[ReplicaId, PrefixHit],
         work_price: float = 0.0,
+        credit: tuple[Sequence[bool], int] | None = None,
     ) -> CandidateEstimates:
         """``explain`` for every candidate, fast (the routing hot path), each priced with
-        ``ReplicaEstimate.cost(work_price, queue_externality)``."""
+        ``ReplicaEstimate.cost(work_price, queue_externality)``.
+
+        ``credit``: (flags, blocks): the replicas whose flag (by position) is set are estimated
+        as if they held at least the prompt's first ``blocks`` blocks in GPU memory (a hot
+        group's members: the policy does not charge a request for the copy its group's traffic
+        has paid for). The holders list keeps what the registry said."""
         try:
-            return self._estimate(request, replicas, hits, work_price)
+            return self._estimate(request, replicas, hits, work_price, credit)
         except ZeroDivisionError:  # a zero rate or budget in some report: clamp, then redo
             sane = [_sane(s) for s in replicas]
-            return self._estimate(request, sane, hits, work_price)
+            return self._estimate(request, sane, hits, work_price, credit)
 
     def _estimate(
         self,
@@ -278,6 +284,7 @@ class TtftModel:
         replicas: Sequence[ReplicaSnapshot],
         hits: Mapping[ReplicaId, PrefixHit],
         price: float,
+        credit: tuple[Sequence[bool], int] | None,
     ) -> CandidateEstimates:
         # NOTE: this loop runs for every candidate of every request and must stay well under
         # 50 us at 64 replicas (about 0.4 us a replica in CPython), so ``step_times`` and the
@@ -300,6 +307,11 @@ class TtftModel:
         # adds per waiting request, in token computes, are the same everywhere.
         plain_work = prompt * priced
         plain_delay = ext * prompt
+        credited: Sequence[bool] | None = None
+        credit_uncached = prompt
+        if credit is not None:
+            credited = credit[0]
+            credit_uncached = max(prompt - min(credit[1], key_blocks) * block_size, least_uncached)
         count = len(replicas)
         waits = [0.0] * count
         costs = [0.0] * count
@@ -335,37 +347,44 @@ class TtftModel:
                     waiting = 0
             waits[index] = wait
             if hits_get is None or (hit := hits_get(snapshot.replica_id)) is None:
-                # The common case: nothing held there, the whole prompt to compute.
-                if prompt <= chunk:
-                    costs[index] = (
-                        wait + decode_step_s + (plain_work + waiting * plain_delay) * token_s
-                    )
-                else:
-                    costs[index] = (
-                        wait
-                        + decode_step_s * prompt / chunk
-                        + (plain_work + waiting * ext * chunk) * token_s
-                    )
-                continue
-            held_blocks = hit.num_blocks
-            _, cpu, disk = hit.blocks_by_tier
-            load_s = 0.0
-            if disk or held_blocks > key_blocks or cpu > held_blocks:
-                saved, load_s = self.held(hit, capacity, key_blocks)
-                uncached = int(prompt - saved + 0.5)
-            elif not cpu:  # all in GPU memory: the common hit
-                uncached = prompt - held_blocks * block_size
-            elif capacity.cpu_load_s_per_block > 0:
-                uncached = prompt - held_blocks * block_size
-                load_s = cpu * capacity.cpu_load_s_per_block
-            else:  # CPU blocks, credited
-                uncached = int(prompt - (held_blocks - cpu * cpu_discount) * block_size + 0.5)
-            if uncached < least_uncached:
-                uncached = least_uncached
-            if held_blocks > 0:
-                holders.append((index, hit, uncached))
-                if hit.num_speculative > 0:
-                    any_speculative = True
+                if credited is None or not credited[index]:
+                    # The common case: nothing held there, the whole prompt to compute.
+                    if prompt <= chunk:
+                        costs[index] = (
+                            wait + decode_step_s + (plain_work + waiting * plain_delay) * token_s
+                        )
+                    else:
+                        costs[index] = (
+                            wait
+                            + decode_step_s * prompt / chunk
+                            + (plain_work + waiting * ext * chunk) * token_s
+                        )
+                    continue
+                uncached = credit_uncached
+                load_s = 0.0
+            else:
+                held_blocks = hit.num_blocks
+                _, cpu, disk = hit.blocks_by_tier
+                load_s = 0.0
+                if disk or held_blocks > key_blocks or cpu > held_blocks:
+                    saved, load_s = self.held(hit, capacity, key_blocks)
+                    uncached = int(prompt - saved + 0.5)
+                elif not cpu:  # all in GPU memory: the common hit
+                    uncached = prompt - held_blocks * block_size
+                elif capacity.cpu_load_s_per_block > 0:
+                    uncached = prompt - held_blocks * block_size
+                    load_s = cpu * capacity.cpu_load_s_per_block
+                else:  # CPU blocks, credited
+                    uncached = int(prompt - (held_blocks - cpu * cpu_discount) * block_size + 0.5)
+                if uncached < least_uncached:
+                    uncached = least_uncached
+                if held_blocks > 0:
+                    holders.append((index, hit, uncached))
+                    if hit.num_speculative > 0:
+                        any_speculative = True
+                if credited is not None and uncached > credit_uncached and credited[index]:
+                    uncached = credit_uncached
+                    load_s = 0.0
             if uncached <= chunk:
                 costs[index] = (
                     wait + load_s + decode_step_s + uncached * (priced + waiting * ext) * token_s
