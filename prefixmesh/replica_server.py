@@ -462,6 +462,7 @@ def main(argv: list[str], prog: str = "replica-server") -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=False,
+        timeout_keep_alive=30,  # longer than the remote engine's idle pool expiry (2 s)
         timeout_graceful_shutdown=5,
     )
     return 0

@@ -40,6 +40,9 @@ from prefixmesh.wire import SamplingSettings
 
 logger = logging.getLogger(__name__)
 
+_SEND_ATTEMPTS = 2
+"""Tries of one generate call whose connection fails before any output (see ``generate``)."""
+
 # ---- the wire format (shared with the replica server) ------------------------------------------
 
 
@@ -195,7 +198,11 @@ class RemoteEngine:
     async def start(self) -> None:
         import httpx
 
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        # Idle pooled connections are dropped well before the server's keep-alive timeout
+        # (uvicorn: 5 s by default, 30 s in replica-server), so we rarely reuse one it is closing.
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0
+        )
         timeout = httpx.Timeout(self.settings.request_timeout_s, connect=10.0)
         self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
         info = await self._wait_for_info()
@@ -251,14 +258,31 @@ class RemoteEngine:
             self._load = decode_load(message["load"])
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        import httpx
+
         body = encode_request(request)
-        async with self._client.stream("POST", "/engine/generate", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")[:300]
-                raise RuntimeError(f"replica server {self.url}: {response.status_code} {text}")
-            async for line in response.aiter_lines():
-                if line:
-                    yield decode_chunk(json.loads(line))
+        for attempt in range(_SEND_ATTEMPTS):
+            started = False
+            try:
+                async with self._client.stream("POST", "/engine/generate", json=body) as response:
+                    if response.status_code != 200:
+                        text = (await response.aread()).decode(errors="replace")[:300]
+                        raise RuntimeError(
+                            f"replica server {self.url}: {response.status_code} {text}"
+                        )
+                    async for line in response.aiter_lines():
+                        if line:
+                            started = True
+                            yield decode_chunk(json.loads(line))
+                return
+            except httpx.TransportError as exc:
+                # A pooled connection that the server closed as we reused it fails before a
+                # byte comes back; the server dropped the request with the connection (a
+                # closed connection aborts it there), so sending it again is safe. Once
+                # output has flowed, a retry would repeat it: the caller gets the error.
+                if started or attempt + 1 == _SEND_ATTEMPTS:
+                    raise
+                logger.warning("replica server %s: %r before any output; resending", self.url, exc)
         # Leaving the block early (the caller closed this generator) closes the connection,
         # which aborts the request in the remote engine.
 

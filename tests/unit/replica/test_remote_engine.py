@@ -5,13 +5,15 @@ when the caller stops reading, and refuses a server that hashes blocks different
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import AsyncIterator, Callable, Sequence
 
+import httpx
 import pytest
 
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.cache_registry.types import EventKind
-from prefixmesh.replica.engines.base import BlockChange, EngineRequest
+from prefixmesh.replica.engines.base import BlockChange, EngineChunk, EngineRequest
 from prefixmesh.replica.engines.remote_engine import (
     HeldMirror,
     RemoteEngine,
@@ -148,3 +150,71 @@ async def test_an_absent_server_fails_within_the_connect_timeout() -> None:
     with pytest.raises(RuntimeError, match="did not answer"):
         await engine.start()
     await engine.shutdown()
+
+
+class _FailingAfterFirstLine(httpx.AsyncByteStream):
+    """A response body that delivers one chunk, then loses the connection."""
+
+    def __init__(self, line: bytes) -> None:
+        self.line = line
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self.line
+        raise httpx.ReadError("connection lost mid-stream")
+
+
+def _engine_with_transport(handler: Callable[[httpx.Request], object]) -> RemoteEngine:
+    engine = RemoteEngine(
+        RemoteEngineSettings("http://127.0.0.1:9"), make_hasher(sim_config()), lambda _: None
+    )
+    engine._client = httpx.AsyncClient(  # the transport is the only fake: no server at all
+        transport=httpx.MockTransport(handler),  # type: ignore[arg-type]
+        base_url="http://127.0.0.1:9",
+    )
+    return engine
+
+
+async def test_a_connection_lost_before_any_output_is_resent_once() -> None:
+    # Regression: `prefixmesh compare` lost a request to httpx.ReadError when the replica
+    # server closed a pooled keep-alive connection just as the Serve replica reused it.
+    calls: list[int] = []
+    done = json.dumps(encode_chunk(EngineChunk((7,), True, "length", 0))) + "\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        if len(calls) == 1:
+            raise httpx.ReadError("server closed the connection", request=request)
+        return httpx.Response(200, content=done.encode())
+
+    engine = _engine_with_transport(handler)
+    request = EngineRequest("r1", PROMPT, SamplingSettings(max_tokens=1))
+    chunks = [c async for c in engine.generate(request)]
+    assert len(calls) == 2 and chunks == [EngineChunk((7,), True, "length", 0)]
+
+    calls.clear()
+
+    def always_failing(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        raise httpx.ConnectError("refused", request=request)
+
+    engine = _engine_with_transport(always_failing)
+    with pytest.raises(httpx.ConnectError):
+        _ = [c async for c in engine.generate(request)]
+    assert len(calls) == 2  # one resend, not a loop
+
+
+async def test_a_connection_lost_after_output_is_not_resent() -> None:
+    calls: list[int] = []
+    first = json.dumps(encode_chunk(EngineChunk((7,), False, None, 0))).encode() + b"\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return httpx.Response(200, stream=_FailingAfterFirstLine(first))
+
+    engine = _engine_with_transport(handler)
+    request = EngineRequest("r2", PROMPT, SamplingSettings(max_tokens=5))
+    seen: list[EngineChunk] = []
+    with pytest.raises(httpx.ReadError):
+        async for chunk in engine.generate(request):
+            seen.append(chunk)  # noqa: PERF401 (a comprehension would lose what came before)
+    assert len(calls) == 1 and seen == [EngineChunk((7,), False, None, 0)]
