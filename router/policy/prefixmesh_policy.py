@@ -270,11 +270,14 @@ class PrefixmeshPolicy:
         cost = estimates.cost
         nobody_overloaded = max(waits) <= limit
         if members is not None:
-            inside = [i for i in members if waits[i] <= limit]
+            if nobody_overloaded:  # every member and holder passes the guard
+                inside = list(members)
+            else:
+                inside = [i for i in members if waits[i] <= limit]
             head = self._group_blocks
             member_set = None
             for index, hit, _ in estimates.holders:
-                if hit.num_blocks >= head and waits[index] <= limit:
+                if hit.num_blocks >= head and (nobody_overloaded or waits[index] <= limit):
                     if member_set is None:
                         member_set = set(members)
                     if index not in member_set:
@@ -314,13 +317,16 @@ class PrefixmeshPolicy:
         """Positions of the request's hot group's k ring members (None: no hot group)."""
         if not self.config.affinity_enabled:
             return None
-        group = self.prefix_group(request)
-        if group is None:
+        hashes = request.key.block_hashes
+        if len(hashes) < self._group_blocks:
             return None
-        rate = self.groups.observed(group, view.group_rate, now_s)
-        k = min(self.groups.size(group, rate), len(replicas))
-        if k < 2:
+        group = hashes[self._group_blocks - 1]  # prefix_group, inlined
+        groups = self.groups
+        k = groups.size(group, groups.observed(group, view.group_rate, now_s))
+        if k < 2 or len(replicas) < 2:
             return None
+        if k > len(replicas):
+            k = len(replicas)
         ring = self.ring
         ring.sync(tuple(map(_replica_id, replicas)))
         return ring.member_positions(group, k)
@@ -364,17 +370,26 @@ class PrefixmeshPolicy:
         ``hold_min_tokens`` of its prompt there, that the replica is computing it until then:
         the in-flight mark a later sibling's hold is priced by (Strata's transient node, at
         the router)."""
+        # Comparisons instead of max(): this runs once per decision, on the hot path.
         capacity = snapshot.capacity
-        token_s = 1.0 / capacity.prefill_tokens_per_s if capacity.prefill_tokens_per_s > 0 else 0.0
-        running = max(snapshot.running_requests, 0)
+        rate = capacity.prefill_tokens_per_s
+        token_s = 1.0 / rate if rate > 0 else 0.0
+        running = snapshot.running_requests
+        if running < 0:
+            running = 0
         fixed_step_s = (
             capacity.decode_step_s + snapshot.active_kv_blocks * capacity.kv_read_s_per_block
         )
         decode_step_s = fixed_step_s + running * self.model.running_cost * token_s
         budget = capacity.max_batch_tokens
-        chunk = max(budget - running, self.config.min_prefill_share * budget, 1.0)
+        chunk = budget - running
+        if self.config.min_prefill_share * budget > chunk:
+            chunk = self.config.min_prefill_share * budget
+        if chunk < 1.0:
+            chunk = 1.0
+        steps = uncached / chunk
         # The step model's own prefill (ttft.py): one step, or chunk-sized ones.
-        ttft_s = wait_s + uncached * token_s + decode_step_s * max(uncached / chunk, 1.0)
+        ttft_s = wait_s + uncached * token_s + decode_step_s * (steps if steps > 1.0 else 1.0)
         if self.decode_cost is not None:
             self.decode_cost.routed(
                 request.request_id,
