@@ -287,6 +287,9 @@ class ReplicaConfig(_Section):
     """How often a replica sends its batched cache events to the registry."""
     routing_stats_period_s: float = Field(default=1.0, gt=0)
     """How often Serve polls each replica's load for the routers."""
+    coalesce_stream: bool = True
+    """Send the output deltas that piled up during the previous send as one chunk (the first
+    goes out at once; replica/coalesce.py): less Ray and SSE relaying per token when busy."""
     vllm: VllmConfig = VllmConfig()
     """Settings of the vllm engine."""
     sim: SimEngineConfig = SimEngineConfig()

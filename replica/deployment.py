@@ -17,6 +17,7 @@ from typing import Any
 from prefixmesh.cache_registry.factory import make_hasher, make_registry
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.replica.coalesce import coalesced
 from prefixmesh.replica.engines.base import Engine, EngineRequest
 from prefixmesh.replica.holds import InflightPrefills
 from prefixmesh.replica.publisher import EventPublisher, EventTarget
@@ -121,6 +122,7 @@ class ReplicaServer:
         self.inflight = InflightPrefills()
         policy = self.config.routing.prefixmesh
         self._holds_enabled = policy.holds_enabled
+        self._coalesce = self.config.replica.coalesce_stream
         self._hold_min_blocks = max(1, policy.hold_min_tokens // self.config.cache.block_size)
         self.engine = make_engine(self.config, model_path, rank, self._on_changes)
         self.publisher = EventPublisher(
@@ -151,7 +153,10 @@ class ReplicaServer:
                 held_s = time.monotonic() - started
             self.inflight.started(rid, request.block_hashes, len(request.prompt_token_ids))
             engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling)
-            async for chunk in self.engine.generate(engine_request):
+            stream = self.engine.generate(engine_request)
+            if self._coalesce:
+                stream = coalesced(stream)
+            async for chunk in stream:
                 if in_prefill:
                     in_prefill = False
                     self.inflight.finished(rid)
