@@ -18,8 +18,8 @@ from prefixmesh.cache_registry.factory import make_hasher, make_registry
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.replica.coalesce import coalesced
-from prefixmesh.replica.engines.base import Engine, EngineRequest
-from prefixmesh.replica.holds import InflightPrefills
+from prefixmesh.replica.engines.base import Engine, EngineRequest, HeldMirror
+from prefixmesh.replica.holds import InflightPrefills, combined_hold, own_hold
 from prefixmesh.replica.publisher import EventPublisher, EventTarget
 from prefixmesh.wire import GenerateChunk, GenerateRequest, HoldInstruction
 
@@ -120,6 +120,8 @@ class ReplicaServer:
         else:
             target = IngressEventTarget(self.config.app_name, ingress_name)
         self.inflight = InflightPrefills()
+        self._resident = HeldMirror()
+        """What the engine holds, from its changes: a hold waits only for blocks not here."""
         policy = self.config.routing.prefixmesh
         self._holds_enabled = policy.holds_enabled
         self._coalesce = self.config.replica.coalesce_stream
@@ -138,6 +140,7 @@ class ReplicaServer:
         logger.info("replica %s (rank %d) ready", self.replica_id, rank)
 
     def _on_changes(self, changes: Any) -> None:
+        self._resident.apply(changes)
         self.publisher.submit(changes)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -177,29 +180,15 @@ class ReplicaServer:
                 self._running -= 1
 
     def _hold_for(self, request: GenerateRequest) -> HoldInstruction | None:
-        """The router's hold, or the replica's own; the longer bound of the two, since the
-        replica sees its in-flight prefill directly while the router estimated it."""
-        own = self._own_hold(request)
-        if request.hold is None or own is None:
-            return request.hold or own
-        return HoldInstruction(
-            max(request.hold.num_blocks, own.num_blocks),
-            max(request.hold.max_wait_s, own.max_wait_s),
-        )
-
-    def _own_hold(self, request: GenerateRequest) -> HoldInstruction | None:
-        """Delay-hit deferral the replica applies on its own: a request that shares a long
-        prefix with a prefill running here now would compute the same blocks again in the same
-        batch (vLLM does not deduplicate them); waiting for them costs about the same time and
-        saves the work. The router's hold, when it sent one, carries its own bound."""
-        if not self._holds_enabled:
-            return None
-        found = self.inflight.longest_shared(request.block_hashes)
-        if found is None or found[1] < self._hold_min_blocks:
-            return None
-        prefill, shared = found
-        rate = float(self.engine.capacity().get("prefill_tokens_per_s", 0.0)) or 1.0
-        return HoldInstruction(shared, 2.0 * prefill.prompt_tokens / rate + 0.05)
+        """The hold this request waits under before it enters the engine, if any."""
+        resident = self._resident.leading(request.block_hashes)
+        own = None
+        if self._holds_enabled:
+            rate = float(self.engine.capacity().get("prefill_tokens_per_s", 0.0))
+            own = own_hold(
+                self.inflight, request.block_hashes, resident, self._hold_min_blocks, rate
+            )
+        return combined_hold(request.hold, own, resident)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Load for routing, plus counters for tests and benchmarks (Serve polls this)."""

@@ -13,6 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from prefixmesh.cache_registry.types import BlockHash
+from prefixmesh.wire import HoldInstruction
 
 
 @dataclass
@@ -90,3 +91,45 @@ class InflightPrefills:
 
     def __len__(self) -> int:
         return len(self._prefills)
+
+
+def own_hold(
+    inflight: InflightPrefills,
+    block_hashes: tuple[BlockHash, ...],
+    resident_blocks: int,
+    min_blocks: int,
+    prefill_tokens_per_s: float,
+) -> HoldInstruction | None:
+    """Delay-hit deferral a replica applies on its own: a request that shares a long prefix
+    with a prefill in progress here would compute the same blocks again in the same batch (vLLM
+    does not deduplicate them); waiting for them costs about the same time and saves the work.
+
+    Only blocks the engine does not hold yet are worth waiting for: ``resident_blocks`` of the
+    request's chain are cached here already, and a prefill that shares no more than those
+    (another question on a cached document) computes nothing this request needs."""
+    found = inflight.longest_shared(block_hashes)
+    if found is None:
+        return None
+    prefill, shared = found
+    if shared - resident_blocks < max(1, min_blocks):
+        return None
+    rate = prefill_tokens_per_s if prefill_tokens_per_s > 0 else 1.0
+    return HoldInstruction(shared, 2.0 * prefill.prompt_tokens / rate + 0.05)
+
+
+def combined_hold(
+    router_hold: HoldInstruction | None, own: HoldInstruction | None, resident_blocks: int
+) -> HoldInstruction | None:
+    """The router's hold and the replica's own, with the longer bound of the two (the replica
+    sees its prefill directly, the router estimated it); none if the engine already holds
+    every block the hold is for (the router's view lags the engine's)."""
+    if router_hold is None or own is None:
+        hold = router_hold or own
+    else:
+        hold = HoldInstruction(
+            max(router_hold.num_blocks, own.num_blocks),
+            max(router_hold.max_wait_s, own.max_wait_s),
+        )
+    if hold is None or resident_blocks >= hold.num_blocks:
+        return None
+    return hold

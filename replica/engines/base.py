@@ -86,3 +86,44 @@ class Engine(Protocol):
     def close(self) -> None:
         """Synchronous best-effort teardown, for a replica's ``__del__``."""
         ...
+
+
+class HeldMirror:
+    """What an engine holds in its engine tier, rebuilt from its changes (the remote engine's
+    view of its server; a replica's view of its own engine, for holds)."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[BlockHash, None] = {}  # insertion-ordered set
+
+    def snapshot(self, blocks: Sequence[BlockHash]) -> list[BlockChange]:
+        """Replace everything; the changes that tell a registry the same."""
+        self._blocks = dict.fromkeys(blocks)
+        return [
+            BlockChange(EventKind.CLEARED, None),
+            BlockChange(EventKind.STORED, Tier.GPU, tuple(self._blocks)),
+        ]
+
+    def apply(self, changes: Sequence[BlockChange]) -> None:
+        for change in changes:
+            if change.kind is EventKind.CLEARED:
+                if change.tier in (None, Tier.GPU):
+                    self._blocks.clear()
+            elif change.tier is Tier.GPU:
+                if change.kind is EventKind.STORED:
+                    self._blocks.update(dict.fromkeys(change.block_hashes))
+                else:
+                    for block in change.block_hashes:
+                        self._blocks.pop(block, None)
+
+    def blocks(self) -> tuple[BlockHash, ...]:
+        return tuple(self._blocks)
+
+    def leading(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of the chain's first blocks are held, up to the first one that is not."""
+        held = self._blocks
+        count = 0
+        for block in block_hashes:
+            if block not in held:
+                break
+            count += 1
+        return count

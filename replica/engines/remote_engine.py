@@ -35,6 +35,7 @@ from prefixmesh.replica.engines.base import (
     EngineChunk,
     EngineLoad,
     EngineRequest,
+    HeldMirror,
 )
 from prefixmesh.wire import SamplingSettings
 
@@ -134,36 +135,6 @@ def decode_load(data: Mapping[str, Any]) -> EngineLoad:
         prefix_cache_queries_tokens=int(data["prefix_cache_queries_tokens"]),
         prefix_cache_hit_tokens=int(data["prefix_cache_hit_tokens"]),
     )
-
-
-class HeldMirror:
-    """What the remote engine holds in its engine tier, rebuilt from its event stream."""
-
-    def __init__(self) -> None:
-        self._blocks: dict[BlockHash, None] = {}  # insertion-ordered set
-
-    def snapshot(self, blocks: Sequence[BlockHash]) -> list[BlockChange]:
-        """Replace everything; the changes that tell a registry the same."""
-        self._blocks = dict.fromkeys(blocks)
-        return [
-            BlockChange(EventKind.CLEARED, None),
-            BlockChange(EventKind.STORED, Tier.GPU, tuple(self._blocks)),
-        ]
-
-    def apply(self, changes: Sequence[BlockChange]) -> None:
-        for change in changes:
-            if change.kind is EventKind.CLEARED:
-                if change.tier in (None, Tier.GPU):
-                    self._blocks.clear()
-            elif change.tier is Tier.GPU:
-                if change.kind is EventKind.STORED:
-                    self._blocks.update(dict.fromkeys(change.block_hashes))
-                else:
-                    for block in change.block_hashes:
-                        self._blocks.pop(block, None)
-
-    def blocks(self) -> tuple[BlockHash, ...]:
-        return tuple(self._blocks)
 
 
 # ---- the engine ----------------------------------------------------------------------------------

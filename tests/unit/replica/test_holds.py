@@ -3,7 +3,10 @@ from __future__ import annotations
 import asyncio
 
 from prefixmesh.cache_registry.hashing import BlockHasher
-from prefixmesh.replica.holds import InflightPrefills
+from prefixmesh.cache_registry.types import EventKind, Tier
+from prefixmesh.replica.engines.base import BlockChange, HeldMirror
+from prefixmesh.replica.holds import InflightPrefills, combined_hold, own_hold
+from prefixmesh.wire import HoldInstruction
 
 HASHER = BlockHasher(2, "m")
 LONG = HASHER.hash_tokens(list(range(12))).block_hashes  # 6 blocks
@@ -54,3 +57,50 @@ def test_shared_blocks_and_the_longest_prefill() -> None:
     inflight.started("b", SIBLING[:2], 4)
     found = inflight.longest_shared(SIBLING)
     assert found is not None and found[1] == 4 and found[0].prompt_tokens == 12
+
+
+def test_a_replica_holds_only_for_blocks_its_engine_does_not_have() -> None:
+    # Regression: a request whose document was already cached here waited for every other
+    # request of the same document to reach its first token (they share the document's
+    # blocks), serialising a hot group's hits behind one another.
+    inflight = InflightPrefills()
+    inflight.started("a", LONG, prompt_tokens=12)
+    hold = own_hold(inflight, SIBLING, resident_blocks=0, min_blocks=2, prefill_tokens_per_s=4.0)
+    assert hold == HoldInstruction(4, 2.0 * 12 / 4.0 + 0.05)
+    assert (
+        own_hold(inflight, SIBLING, resident_blocks=4, min_blocks=2, prefill_tokens_per_s=4.0)
+        is None
+    )
+    assert (
+        own_hold(inflight, SIBLING, resident_blocks=3, min_blocks=2, prefill_tokens_per_s=4.0)
+        is None
+    )
+    assert (
+        own_hold(inflight, SIBLING, resident_blocks=2, min_blocks=2, prefill_tokens_per_s=4.0)
+        is not None
+    )
+    assert (
+        own_hold(inflight, OTHER, resident_blocks=0, min_blocks=1, prefill_tokens_per_s=4.0) is None
+    )
+
+
+def test_the_router_hold_and_the_replica_hold_combine_to_the_longer_one() -> None:
+    router = HoldInstruction(3, 0.5)
+    own = HoldInstruction(4, 0.2)
+    assert combined_hold(router, own, resident_blocks=0) == HoldInstruction(4, 0.5)
+    assert combined_hold(router, None, resident_blocks=0) == router
+    assert combined_hold(None, own, resident_blocks=0) == own
+    assert combined_hold(None, None, resident_blocks=0) is None
+    assert combined_hold(router, None, resident_blocks=3) is None  # the router's view lagged
+
+
+def test_the_resident_mirror_counts_the_held_head_of_a_chain() -> None:
+    mirror = HeldMirror()
+    mirror.apply([BlockChange(EventKind.STORED, Tier.GPU, LONG[:3])])
+    assert mirror.leading(SIBLING) == 3 and mirror.leading(OTHER) == 0
+    mirror.apply([BlockChange(EventKind.REMOVED, Tier.GPU, (LONG[1],))])
+    assert mirror.leading(LONG) == 1  # a hole ends the run
+    mirror.apply([BlockChange(EventKind.STORED, Tier.CPU, LONG)])
+    assert mirror.leading(LONG) == 1  # only the engine tier counts
+    mirror.apply([BlockChange(EventKind.CLEARED, None)])
+    assert mirror.leading(LONG) == 0

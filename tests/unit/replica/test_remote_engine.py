@@ -13,9 +13,8 @@ import pytest
 
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.cache_registry.types import EventKind
-from prefixmesh.replica.engines.base import BlockChange, EngineChunk, EngineRequest
+from prefixmesh.replica.engines.base import BlockChange, EngineChunk, EngineRequest, HeldMirror
 from prefixmesh.replica.engines.remote_engine import (
-    HeldMirror,
     RemoteEngine,
     RemoteEngineSettings,
     decode_changes,
