@@ -29,6 +29,12 @@ from prefixmesh.replica.engines.base import BlockChange
 
 logger = logging.getLogger(__name__)
 
+_FIRST_RETRY_S = 0.05
+"""Wait before the first retry of a failed delivery or a resync; doubles up to the next one."""
+_MAX_RETRY_S = 2.0
+"""Longest wait between attempts while the registry is unreachable (bounds the time to heal
+after it is back)."""
+
 
 class EventTarget(Protocol):
     async def publish(self, events: Sequence[CacheEvent]) -> list[PublishResult]: ...
@@ -63,6 +69,8 @@ class EventPublisher:
         self.resyncs = 0
 
     def submit(self, changes: Sequence[BlockChange]) -> None:
+        if self._resync_needed:
+            return  # the coming snapshot covers them; nothing piles up during an outage
         for change in changes:
             self._pending.append(self._event(change.kind, change.tier, change.block_hashes))
 
@@ -84,13 +92,21 @@ class EventPublisher:
             self._task = None
 
     async def _run(self) -> None:
+        # While the registry is unreachable every attempt fails and asks for a resync, which
+        # rebuilds the full snapshot: retrying at the publish interval (5 ms) would spend the
+        # engine's CPU on snapshots nobody receives, so failed attempts back off.
+        wait_s = self._interval_s
         while True:
-            await asyncio.sleep(self._interval_s)
+            await asyncio.sleep(wait_s)
             try:
                 await self.flush()
             except Exception:  # a registry problem must never stop publishing for good
                 logger.exception("publishing cache events failed")
                 self._resync_needed = True
+            if self._resync_needed:
+                wait_s = min(max(2 * wait_s, _FIRST_RETRY_S), _MAX_RETRY_S)
+            else:
+                wait_s = self._interval_s
 
     def _start_resync(self) -> None:
         """A new epoch whose first event is the full snapshot of what the engine holds."""

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from prefixmesh.cache_registry.hashing import BlockHasher
@@ -85,3 +86,34 @@ async def test_a_gap_reported_by_the_registry_triggers_a_resync() -> None:
     await publisher.flush()
     assert publisher.resyncs == 1
     assert held(target) == 3
+
+
+async def test_an_unreachable_registry_is_retried_with_backoff_and_healed_after() -> None:
+    # Regression: every 5 ms tick rebuilt the full snapshot and logged a resync while the
+    # registry was down, and submitted changes piled up in memory.
+    target = FlakyTarget()
+    target.drop_next = 10**9  # down
+    snapshots = 0
+
+    def held_blocks() -> tuple[BlockHash, ...]:
+        nonlocal snapshots
+        snapshots += 1
+        return H[:3]
+
+    publisher = EventPublisher(R, target, held_blocks, interval_s=0.005)
+    publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:1])])
+    publisher.start()
+    try:
+        for _ in range(60):  # 0.6 s down: 120 ticks at the publish interval
+            await asyncio.sleep(0.01)
+            publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:2])])
+        assert snapshots <= 6  # 0.05 + 0.1 + 0.2 + 0.4 s between attempts
+        assert len(publisher._pending) <= 1  # the snapshot only
+        target.drop_next = 0  # back
+        for _ in range(300):
+            if held(target) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert held(target) == 3  # healed within the longest back-off
+    finally:
+        await publisher.stop()
