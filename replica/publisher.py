@@ -54,12 +54,17 @@ class EventPublisher:
         *,
         interval_s: float = 0.005,
         max_batch_events: int = 512,
+        heartbeat_s: float = 1.0,
     ) -> None:
         self.replica_id = replica_id
         self._target = target
         self._held_blocks = held_blocks
         self._interval_s = interval_s
         self._max_batch = max_batch_events
+        self._heartbeat_ticks = max(1, round(heartbeat_s / interval_s))
+        """Quiet publish ticks before an empty ``stored`` event goes out: a registry that lost
+        this replica's state (Redis restarted) answers it with a gap, so an idle replica
+        resyncs within about ``heartbeat_s`` instead of at its next cache change."""
         self.epoch = new_epoch()
         self._next_seq = 0
         self._pending: list[CacheEvent] = []
@@ -96,8 +101,13 @@ class EventPublisher:
         # rebuilds the full snapshot: retrying at the publish interval (5 ms) would spend the
         # engine's CPU on snapshots nobody receives, so failed attempts back off.
         wait_s = self._interval_s
+        quiet_ticks = 0
         while True:
             await asyncio.sleep(wait_s)
+            quiet_ticks = 0 if self._pending else quiet_ticks + 1
+            if quiet_ticks >= self._heartbeat_ticks:
+                quiet_ticks = 0
+                self.submit([BlockChange(EventKind.STORED, Tier.GPU)])
             try:
                 await self.flush()
             except Exception:  # a registry problem must never stop publishing for good

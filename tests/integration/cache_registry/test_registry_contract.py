@@ -183,6 +183,24 @@ async def test_a_first_event_past_zero_is_a_gap(make_registry: RegistryFactory) 
     assert (await registry.publish([event]))[0].gap
 
 
+async def test_an_empty_store_is_a_heartbeat_that_reveals_lost_state(
+    make_registry: RegistryFactory,
+) -> None:
+    """An idle replica's publisher sends an empty ``stored`` now and then: it changes nothing,
+    but a registry that lost the replica's state (Redis restarted) sees its seq and reports
+    a gap, so the replica resyncs without waiting for its next cache change."""
+    registry = await connected(make_registry)
+    ev = Sequencer()
+    await registry.publish([ev(EventKind.STORED, R1, H[:3])])
+    assert await registry.publish([ev(EventKind.STORED, R1)]) == [PublishResult(R1, applied=1)]
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {R1: hit(gpu=3)}
+    fresh = await connected(make_registry)  # another registry: the replica's state is unknown
+    if await fresh.lookup(KEY, [R1], deadline_s=DEADLINE_S):
+        return  # the backend shares state between clients (Redis): nothing was lost
+    [result] = await fresh.publish([ev(EventKind.STORED, R1)])
+    assert result.gap and result.needs_resync
+
+
 async def test_concurrent_publishers(make_registry: RegistryFactory) -> None:
     registries = [await connected(make_registry) for _ in range(4)]
     replicas = [ReplicaId(f"replica-{i}") for i in range(8)]

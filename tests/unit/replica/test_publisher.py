@@ -117,3 +117,23 @@ async def test_an_unreachable_registry_is_retried_with_backoff_and_healed_after(
         assert held(target) == 3  # healed within the longest back-off
     finally:
         await publisher.stop()
+
+
+async def test_an_idle_replica_heals_a_registry_that_lost_its_state() -> None:
+    target = FlakyTarget()
+    publisher = EventPublisher(R, target, lambda: H[:3], interval_s=0.005, heartbeat_s=0.1)
+    publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:3])])
+    publisher.start()
+    try:
+        for _ in range(100):
+            if held(target) == 3:
+                break
+            await asyncio.sleep(0.01)
+        target.state = RegistryState()  # the registry restarted empty; the replica stays idle
+        for _ in range(100):
+            if held(target) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert held(target) == 3 and publisher.resyncs == 1
+    finally:
+        await publisher.stop()
