@@ -112,6 +112,7 @@ class RedisRegistry:
         self._disabled_reason = ""
         self._waiters: dict[BlockHash, asyncio.Event] = {}
         self._listener: asyncio.Task[None] | None = None
+        self._verifying: asyncio.Task[None] | None = None
         self._closing = False
 
     # ---- connection health -----------------------------------------------------------------
@@ -127,6 +128,10 @@ class RedisRegistry:
 
     async def close(self) -> None:
         self._closing = True
+        if self._verifying is not None and not self._verifying.done():
+            self._verifying.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._verifying
         if self._listener is not None:
             try:
                 await asyncio.wait_for(self._listener, 2.0)
@@ -162,14 +167,26 @@ class RedisRegistry:
             self._backoff_s = self._backoff_initial_s
             self.stats.reconnects += 1
             logger.info("registry reachable again")
-        if not self._verified:
-            try:
-                await asyncio.wait_for(self._check_fingerprint(), self._op_timeout_s)
-            except FingerprintMismatchError as exc:
-                self._disabled_reason = str(exc)
-                logger.error("registry disabled: %s", exc)
-            except _FAILURES as exc:
-                self._on_failure(exc)
+        if not self._verified and (self._verifying is None or self._verifying.done()):
+            # Off the caller's path: a lookup must keep its deadline even right after the
+            # registry came back (the check takes a round trip or two, up to op_timeout_s).
+            self._verifying = asyncio.get_running_loop().create_task(self._verify())
+
+    async def _verify(self) -> None:
+        """Re-check the fingerprint after an outage: a restarted Redis may now hold another
+        cluster's keys (or none: then ours is written)."""
+        try:
+            await asyncio.wait_for(self._check_fingerprint(), self._op_timeout_s)
+        except FingerprintMismatchError as exc:
+            self._disabled_reason = str(exc)
+            logger.error("registry disabled: %s", exc)
+        except _FAILURES as exc:
+            self._on_failure(exc)
+
+    @property
+    def verified(self) -> bool:
+        """The fingerprint check has passed since the last outage: results are trusted."""
+        return self._verified and not self._disabled_reason
 
     @property
     def available(self) -> bool:
@@ -188,8 +205,8 @@ class RedisRegistry:
             self._on_failure(exc)
             return default, False
         await self._on_success()
-        if self._disabled_reason:
-            return default, False
+        if self._disabled_reason or not self._verified:
+            return default, False  # not trusted until the fingerprint check has passed
         return result, True
 
     def _key(self, kind: str, suffix: str) -> str:

@@ -54,6 +54,17 @@ async def wait_until_available(registry: RedisRegistry, timeout_s: float = 5.0) 
         await asyncio.sleep(0.02)
 
 
+async def wait_until_verified(registry: RedisRegistry, timeout_s: float = 5.0) -> None:
+    """After an outage the first successful call starts the fingerprint check in the
+    background; results count from when it has passed."""
+    deadline = time.monotonic() + timeout_s
+    while not registry.verified:
+        assert time.monotonic() < deadline, "registry never verified its fingerprint again"
+        await wait_until_available(registry, timeout_s)
+        await registry.lookup(KEY, [], deadline_s=DEADLINE_S)
+        await asyncio.sleep(0.02)
+
+
 async def test_killed_and_restarted_server(
     server: LocalRedisServer, registry: RedisRegistry
 ) -> None:
@@ -77,7 +88,7 @@ async def test_killed_and_restarted_server(
     assert registry.stats.publish_failures == 1
 
     server.start()
-    await wait_until_available(registry)
+    await wait_until_verified(registry)
     # The restarted server lost everything: the replica's next batch is reported as a gap,
     # which is the replica's cue to publish a snapshot of what it holds.
     [after] = await registry.publish([stored(2)])
@@ -95,8 +106,13 @@ async def test_fingerprint_is_rechecked_after_a_restart(
     intruder = RedisRegistry(BlockHasher(64, "another-model").fingerprint, server.url)
     await intruder.connect()  # first after the restart: its fingerprint is recorded
     await wait_until_available(registry)
-    await registry.publish([stored(0)])  # this client now finds a mismatch and disables itself
-    assert not registry.available
+    [result] = await registry.publish([stored(0)])  # the check starts, in the background
+    assert result.failed  # not trusted before the check has passed
+    for _ in range(100):  # ... which finds the mismatch and disables this client
+        if not registry.available:
+            break
+        await asyncio.sleep(0.02)
+    assert not registry.available and not registry.verified
     assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {}
     with pytest.raises(FingerprintMismatchError):
         await RedisRegistry(HASHER.fingerprint, server.url).connect()
@@ -117,7 +133,7 @@ async def test_a_stalled_server_costs_at_most_the_deadline(
         assert "Timeout" in registry.stats.last_error
     finally:
         os.kill(server.pid, signal.SIGCONT)
-    await wait_until_available(registry)
+    await wait_until_verified(registry)
     hits: dict[ReplicaId, PrefixHit] = {}
     for _ in range(20):  # the connection cut by the timeout is replaced on the next call
         hits = await registry.lookup(KEY, [R1], deadline_s=0.5)
@@ -125,6 +141,29 @@ async def test_a_stalled_server_costs_at_most_the_deadline(
             break
         await asyncio.sleep(0.05)
     assert hits == {R1: PrefixHit(8, (8, 0, 0))}
+
+
+async def test_the_fingerprint_recheck_stays_off_the_lookup_path(
+    server: LocalRedisServer, registry: RedisRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: after an outage the first successful lookup re-checked the fingerprint
+    # inline (up to op_timeout_s more), breaking the routing decision's latency bound.
+    await registry.publish([stored(0)])
+    server.stop()
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {}
+    server.start()
+    await wait_until_available(registry)
+    check = registry._check_fingerprint
+
+    async def slow_check() -> None:
+        await asyncio.sleep(0.5)  # a registry that answers, but slowly, for this check
+        await check()
+
+    monkeypatch.setattr(registry, "_check_fingerprint", slow_check)
+    started = time.monotonic()
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {}  # not trusted yet
+    assert time.monotonic() - started < 0.095  # an inline check would add op_timeout_s (0.1)
+    assert not registry.verified
 
 
 async def test_unreachable_at_connect_is_not_fatal() -> None:
