@@ -21,6 +21,7 @@ from prefixmesh.cache_registry.hotness import DecayedCount, rate_per_s, touched
 from prefixmesh.cache_registry.protocol import group_by_replica
 from prefixmesh.cache_registry.sequencing import SeqAction, SequenceState, check_sequence
 from prefixmesh.cache_registry.types import (
+    DROPPED_REPLICA_MEMORY_S,
     BlockHash,
     CacheEvent,
     EventKind,
@@ -84,6 +85,8 @@ class RegistryState:
         them pops from the front instead of scanning. An entry already forgotten (confirmed,
         removed) stays in the queue and is skipped when it comes up."""
         self.sequences: dict[ReplicaId, SequenceState] = {}
+        self.dropped: dict[ReplicaId, float] = {}
+        """Replicas dropped recently, until when (see DROPPED_REPLICA_MEMORY_S)."""
         self.inflight: dict[BlockHash, tuple[ReplicaId, float]] = {}
         self.hotness: dict[BlockHash, DecayedCount] = {}
         self._release_listeners: list[Callable[[BlockHash], None]] = []
@@ -143,6 +146,7 @@ class RegistryState:
         return [self._publish_replica(r, evs) for r, evs in group_by_replica(events).items()]
 
     def _publish_replica(self, replica: ReplicaId, events: list[CacheEvent]) -> PublishResult:
+        self.dropped.pop(replica, None)  # its own events: alive after all
         applied = duplicates = 0
         gap = reset = False
         for event in events:
@@ -227,6 +231,11 @@ class RegistryState:
 
     def add_speculative(self, key: PrefixKey, replica: ReplicaId, ttl_s: float) -> None:
         now = self.clock()
+        dropped_until = self.dropped.get(replica)
+        if dropped_until is not None:
+            if dropped_until > now:
+                return  # a late guess about a replica dropped since
+            del self.dropped[replica]
         index = self.replicas.assign(replica)
         queue = self.replica_speculative.setdefault(replica, deque())
         while queue and queue[0][0] <= now:
@@ -309,6 +318,10 @@ class RegistryState:
         self._purge(replica)
         self.sequences.pop(replica, None)
         self.replicas.release(replica)
+        now = self.clock()
+        for expired in [r for r, until in self.dropped.items() if until <= now]:
+            del self.dropped[expired]
+        self.dropped[replica] = now + DROPPED_REPLICA_MEMORY_S
         for prefix, (holder, _) in list(self.inflight.items()):
             if holder == replica:
                 self._release(prefix)

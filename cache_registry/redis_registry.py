@@ -27,6 +27,7 @@ from prefixmesh.cache_registry.hotness import DecayedCount, rate_per_s
 from prefixmesh.cache_registry.protocol import group_by_replica
 from prefixmesh.cache_registry.sequencing import MAX_EPOCH
 from prefixmesh.cache_registry.types import (
+    DROPPED_REPLICA_MEMORY_S,
     BlockHash,
     CacheEvent,
     EventKind,
@@ -396,8 +397,9 @@ class RedisRegistry:
     # ---- membership ------------------------------------------------------------------------
 
     async def drop_replica(self, replica: ReplicaId) -> None:
+        memory_ms = int(DROPPED_REPLICA_MEMORY_S * 1000)
         _, ok = await self._guarded(
-            lambda: self._scripts["DROP_REPLICA"](args=[self._prefix, replica]),
+            lambda: self._scripts["DROP_REPLICA"](args=[self._prefix, replica, memory_ms]),
             None,
             self._publish_timeout_s,
         )

@@ -12,6 +12,8 @@ Key layout, all under one hash tag ``P = "{namespace}"`` (one slot, so scripts m
 - ``P:s:<hex>``          HASH replica index -> expiry ms: speculative holders (key TTL = longest)
 - ``P:sr:<replica>``     ZSET hex -> expiry ms: the replica's speculative entries
 - ``P:seq``              HASH replica -> "epoch:seq" of the last applied event
+- ``P:dead:<replica>``   STRING with PX TTL: dropped recently; speculative writes for it are
+                         ignored until its own next event (``DROPPED_REPLICA_MEMORY_S``)
 - ``P:if:<hex>``         STRING holder of an in-flight claim, with PX TTL
 - ``P:ifr:<replica>``    SET of the replica's claims (for drop_replica)
 - ``P:hot:<hex>``        HASH v (decayed value), t (last update, s)
@@ -71,6 +73,7 @@ PUBLISH = (
 -- n hex hashes. Returns {applied, duplicates, gap, reset}.
 local replica = ARGV[2]
 local max_holders = tonumber(ARGV[3])
+redis.call('DEL', P .. ':dead:' .. replica)
 local idx = assign_index(replica)
 local index = P .. ':r:' .. replica
 local seq_key = P .. ':seq'
@@ -246,6 +249,7 @@ ADD_SPECULATIVE = (
 -- ARGV: P, replica, expiry_ms, ttl_ms, now_ms, hex hashes...
 local replica = ARGV[2]
 local expiry, ttl, now = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+if redis.call('EXISTS', P .. ':dead:' .. replica) == 1 then return 0 end
 local idx = assign_index(replica)
 local index = P .. ':sr:' .. replica
 for _, h in ipairs(redis.call('ZRANGEBYSCORE', index, '-inf', now)) do
@@ -290,8 +294,9 @@ return 1
 DROP_REPLICA = (
     _HELPERS
     + """
--- ARGV: P, replica.
+-- ARGV: P, replica, memory_ms (how long speculative writes for it are refused).
 local replica = ARGV[2]
+redis.call('SET', P .. ':dead:' .. replica, 1, 'PX', ARGV[3])
 local idx = index_of(replica)
 if idx then
   purge_entries(replica, idx)

@@ -31,6 +31,12 @@ class Tier(enum.IntEnum):
 
 ALL_TIERS_MASK = Tier.GPU.bit | Tier.CPU.bit | Tier.DISK.bit
 
+DROPPED_REPLICA_MEMORY_S = 60.0
+"""How long a registry remembers that it dropped a replica: a router's speculative write
+that lands after the drop (written before it learnt of the death) must not bring the replica
+back. The replica's own next event clears the mark (it is alive after all, and resyncs). Far
+longer than a speculative TTL or a routing decision."""
+
 
 def shallowest_tier(mask: int) -> Tier:
     """The fastest tier present in a bitmask of tiers (mask must be non-zero)."""

@@ -370,6 +370,25 @@ async def test_drop_replica_removes_every_trace(make_registry: RegistryFactory) 
     assert result == PublishResult(R1, applied=1)
 
 
+async def test_a_late_guess_does_not_bring_a_dropped_replica_back(
+    make_registry: RegistryFactory,
+) -> None:
+    # Regression: a router's speculative write that landed after drop_replica re-registered
+    # the dead replica (its index was never freed again).
+    registry = await connected(make_registry)
+    ev = Sequencer()
+    await registry.publish([ev(EventKind.STORED, R1, H[:2]), ev(EventKind.STORED, R2, H[:4])])
+    await registry.drop_replica(R1)
+    await registry.add_speculative(KEY, R1, ttl_s=60)  # written before the router knew
+    assert await registry.known_replicas() == {R2}
+    assert R1 not in await registry.lookup(KEY, [R1, R2], deadline_s=DEADLINE_S)
+    # The replica's own event proves it alive: guesses about it count again.
+    await registry.publish([CacheEvent(EventKind.STORED, R1, 0, 2, Tier.GPU, H[:1])])
+    await registry.add_speculative(KEY, R1, ttl_s=60)
+    hits = await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S)
+    assert hits == {R1: PrefixHit(8, (8, 0, 0), 7)}  # guesses count as GPU blocks
+
+
 async def test_a_confirmed_store_replaces_the_guess(
     make_registry: RegistryFactory, clock: FakeClock
 ) -> None:
