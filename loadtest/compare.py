@@ -37,7 +37,7 @@ from typing import Any
 import yaml
 
 from prefixmesh.cache_registry.redis_server import free_port
-from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.config import PrefixmeshConfig, load_config, merge_settings
 from prefixmesh.loadtest.compare_report import RouterRow, delta, make_row, parse_counters
 from prefixmesh.loadtest.compare_report import write_compare as write_compare_report
 from prefixmesh.loadtest.peers import (
@@ -52,6 +52,7 @@ from prefixmesh.loadtest.plan import PlanSettings
 from prefixmesh.loadtest.poisson import percentile
 from prefixmesh.loadtest.traces import TRACE_FORMATS
 from prefixmesh.loadtest.workloads import WORKLOADS
+from prefixmesh.local_ray import init_local_ray
 
 ROUTERS = ("prefixmesh", "ray_pow2", "ray_prefix_affinity", "sglang", "vllm_router")
 RAY_ROUTERS = {
@@ -233,13 +234,7 @@ def ray_cluster(temp_root: Path) -> Iterator[int]:
     from ray import serve
 
     temp_dir = tempfile.mkdtemp(prefix="pmcmp-", dir=str(temp_root))
-    ray.init(
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        _temp_dir=temp_dir,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
-    )
+    init_local_ray(temp_dir)
     port = free_port()
     try:
         serve.start(
@@ -469,7 +464,7 @@ def _router(
         }
         if router != "prefixmesh":  # the replicas' own delay-hit holds are ours
             overrides["routing"]["prefixmesh"] = {"holds_enabled": False}
-        data = _deep_merge(base.model_dump(mode="json"), overrides)
+        data = merge_settings(base.model_dump(mode="json"), overrides)
         config = PrefixmeshConfig.model_validate(data)
         return SETUPS[router], lambda: ray_router(config, ray_port)
     assert peer_env is not None
@@ -481,13 +476,3 @@ def _router(
         command = vllm_router_command(peer_env.python, fleet.urls, port, metrics)
         version = peer_env.versions["vllm-router"]
     return SETUPS[router].format(version=version), lambda: peer_router(router, command, port, logs)
-
-
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out

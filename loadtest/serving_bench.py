@@ -26,6 +26,7 @@ from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.loadtest.keys import token_id
 from prefixmesh.loadtest.workloads import GroupsWorkload, WorkloadRequest
+from prefixmesh.local_ray import init_local_ray
 
 VOCAB = 8192  # the demo model's
 BOS = 0
@@ -342,12 +343,7 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
     base += kv_settings(args, block_size)
     oracle = oracle_hit_rate(prompts, block_size)
     temp_dir = tempfile.mkdtemp(prefix="pmbench-", dir="/tmp")
-    ray.init(
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        _temp_dir=temp_dir,
-        log_to_driver=False,
-    )
+    init_local_ray(temp_dir)
     reports: list[PolicyReport] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -359,11 +359,12 @@ class PrefixmeshConfig(_Section):
         return self
 
 
-def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+def merge_settings(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` laid over it, nested sections merged key by key."""
     merged = dict(base)
     for key, value in overrides.items():
         if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _merge(merged[key], value)
+            merged[key] = merge_settings(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -384,7 +385,7 @@ def merge_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
     """``data`` with each ``section.field=value`` override applied."""
     merged = dict(data)
     for text in overrides:
-        merged = _merge(merged, parse_override(text))
+        merged = merge_settings(merged, parse_override(text))
     return merged
 
 
@@ -400,7 +401,7 @@ def load_config(
             raise ValueError(f"{source}: the top level must be a mapping")
         data = loaded
     if isinstance(overrides, Mapping):
-        data = _merge(data, overrides)
+        data = merge_settings(data, overrides)
     else:
         data = merge_overrides(data, overrides)
     return PrefixmeshConfig.model_validate(data)

@@ -11,6 +11,7 @@ import sys
 import threading
 
 from prefixmesh.config import load_config
+from prefixmesh.local_ray import init_local_ray
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
@@ -55,13 +56,7 @@ def main(argv: list[str], prog: str = "serve") -> int:
     if config.ray.address:
         ray.init(address=config.ray.address, log_to_driver=False)
     else:
-        ray.init(
-            include_dashboard=False,
-            num_cpus=config.ray.num_cpus,
-            _temp_dir=config.ray.temp_dir,
-            _node_ip_address="127.0.0.1",
-            log_to_driver=False,
-        )
+        init_local_ray(config.ray.temp_dir, config.ray.num_cpus)
     try:
         serve.start(http_options={"host": config.ingress.host, "port": config.ingress.port})
         print(

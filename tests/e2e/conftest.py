@@ -12,6 +12,7 @@ import pytest
 
 from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.local_ray import init_local_ray
 
 
 @dataclass(frozen=True)
@@ -29,14 +30,7 @@ def ray_cluster() -> Iterator[Cluster]:
     # Short paths: Ray's unix sockets live under the temp dir and must stay under ~107 chars.
     temp_dir = tempfile.mkdtemp(prefix="pmray-", dir="/tmp")
     cache_dir = os.path.expanduser("~/.cache/prefixmesh")
-    ray.init(
-        include_dashboard=False,
-        num_cpus=2,
-        _node_ip_address="127.0.0.1",
-        _temp_dir=temp_dir,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
-    )
+    init_local_ray(temp_dir, num_cpus=2)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
