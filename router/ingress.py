@@ -311,6 +311,16 @@ class IngressServer:
         with self._local.lock:
             return self._local.registry.publish(events)
 
+    @api.get("/admin/registry")
+    async def registry_replicas(self) -> dict[str, Any]:
+        """The replicas the in-process registry has entries for (memory backend only; with
+        Redis the registry is shared and inspected there): for tests and operators."""
+        if self.config.registry.backend != "memory":
+            return {"backend": self.config.registry.backend, "replicas": None}
+        with self._local.lock:
+            replicas = sorted(self._local.registry.sequences)
+        return {"backend": "memory", "replicas": replicas}
+
     @api.get("/admin/replicas")
     async def replica_stats(self) -> list[dict[str, Any]]:
         """Each replica's latest report (load, prefix-cache counters, holds, events), as Serve

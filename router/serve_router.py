@@ -120,17 +120,34 @@ class PrefixmeshRequestRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
-        replica = ReplicaId(replica_id.unique_id)
+        self._forget(ReplicaId(replica_id.unique_id))
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        # Serve calls this whenever its replica set changes: scale-down, a redeploy, a replica
+        # replaced after failing health checks. A replica that left takes its registry entries
+        # with it, or routers would keep sending its prefixes to replicas that never see them.
+        known = getattr(self, "_replica_id_set", set())
+        current = {replica.replica_id for replica in replicas}
+        super().update_replicas(replicas)
+        for gone in known - current:
+            self._forget(ReplicaId(gone.unique_id))
+
+    def _forget(self, replica: ReplicaId) -> None:
+        """Drop a replica that left from the policy, the ledger and the registry."""
         try:
             self._policy.on_replica_removed(replica)
             with self._local.lock:
                 self._local.ledger.forget_replica(replica)
                 if self._config.registry.backend == "memory":
                     self._local.registry.drop_replica(replica)
-            if self._remote is not None:
-                self._spawn(self._remote.drop_replica(replica))
+            if self._config.registry.backend != "memory":
+                self._spawn(self._drop_remote(replica))
         except Exception:
             logger.exception("forgetting replica %s failed", replica)
+
+    async def _drop_remote(self, replica: ReplicaId) -> None:
+        registry = await self._remote_registry()
+        await registry.drop_replica(replica)
 
     # ---- the decision ----------------------------------------------------------------------
 
@@ -240,7 +257,17 @@ class PrefixmeshRequestRouter(RequestRouter):
         return self._remote
 
     def _spawn(self, coroutine: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
+        """Run ``coroutine`` on the router's loop, from it or from another thread (Serve's
+        membership callbacks are not always on it)."""
+        loop = self._event_loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not loop:
+            asyncio.run_coroutine_threadsafe(coroutine, loop)
+            return
+        task = loop.create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
