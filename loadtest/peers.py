@@ -68,28 +68,32 @@ def installed_versions(python: Path) -> dict[str, str]:
     return dict(json.loads(out.stdout))
 
 
-def sglang_command(python: Path, workers: Sequence[str], port: int, metrics_port: int) -> list[str]:
+def _router_command(
+    python: Path, module: str, workers: Sequence[str], port: int, metrics_port: int, level: str
+) -> list[str]:
+    """Both peers share sglang-router's launcher flags; every listener on loopback."""
     return [
-        str(python), "-m", "sglang_router.launch_router",
+        str(python), "-m", module,
         "--worker-urls", *workers,
         "--policy", "cache_aware",
         "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-        "--log-level", "warn",
+        "--log-level", level,
     ]  # fmt: skip
+
+
+def sglang_command(python: Path, workers: Sequence[str], port: int, metrics_port: int) -> list[str]:
+    return _router_command(
+        python, "sglang_router.launch_router", workers, port, metrics_port, "warn"
+    )
 
 
 def vllm_router_command(
     python: Path, workers: Sequence[str], port: int, metrics_port: int
 ) -> list[str]:
-    return [
-        str(python), "-m", "vllm_router.launch_router",
-        "--worker-urls", *workers,
-        "--policy", "cache_aware",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-        "--log-level", "warning",
-    ]  # fmt: skip
+    return _router_command(
+        python, "vllm_router.launch_router", workers, port, metrics_port, "warning"
+    )
 
 
 class ManagedProcess:

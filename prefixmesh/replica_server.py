@@ -42,7 +42,7 @@ from prefixmesh.router.openai_protocol import (
     CompletionRequest,
     parse_body,
 )
-from prefixmesh.wire import GenerateChunk, SamplingSettings
+from prefixmesh.wire import GenerateChunk
 
 logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-prefixmesh-replica"
@@ -167,25 +167,8 @@ class ReplicaService:
             prompt = body.prompt
             ids = list(prompt) if isinstance(prompt, list) else await self.tokenizer.encode(prompt)
             max_tokens = body.max_tokens
-        if not ids:
-            raise APIError(422, "the prompt is empty", param="prompt")
-        room = self.max_model_len - len(ids)
-        if room <= 0 or (max_tokens is not None and max_tokens > room):
-            raise APIError(
-                413,
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}",
-                param="max_tokens" if room > 0 else "prompt",
-                code="context_length_exceeded",
-            )
-        eos = self.tokenizer.hf.eos_token_id
-        sampling = SamplingSettings(
-            max_tokens=max_tokens if max_tokens is not None else room,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop_token_ids=() if body.ignore_eos or eos is None else (eos,),
-            ignore_eos=body.ignore_eos,
+        sampling = body.engine_sampling(
+            len(ids), max_tokens, self.max_model_len, self.tokenizer.hf.eos_token_id
         )
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request = EngineRequest(request_id, tuple(ids), sampling)

@@ -31,7 +31,7 @@ from prefixmesh.router.openai_protocol import (
     CompletionRequest,
     parse_body,
 )
-from prefixmesh.wire import GenerateRequest, SamplingSettings
+from prefixmesh.wire import GenerateRequest
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="prefixmesh", docs_url=None, redoc_url=None)
@@ -157,27 +157,10 @@ class IngressServer:
     async def _respond(
         self, body: Any, ids: list[int], max_tokens: int | None, *, chat: bool
     ) -> Response:
-        if not ids:
-            raise APIError(422, "the prompt is empty", param="prompt")
-        room = self._max_model_len - len(ids)
-        if room <= 0 or (max_tokens is not None and max_tokens > room):
-            raise APIError(
-                413,
-                f"this model's maximum context length is {self._max_model_len} tokens; the "
-                f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}",
-                param="max_tokens" if room > 0 else "prompt",
-                code="context_length_exceeded",
-            )
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stop_ids = () if body.ignore_eos else (self._tokenizer.eos_token_id,)
-        sampling = SamplingSettings(
-            max_tokens=max_tokens if max_tokens is not None else room,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop_token_ids=tuple(t for t in stop_ids if t is not None),
-            ignore_eos=body.ignore_eos,
+        sampling = body.engine_sampling(
+            len(ids), max_tokens, self._max_model_len, self._tokenizer.eos_token_id
         )
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         key = self._hasher.hash_tokens(ids)
         generate = GenerateRequest(request_id, tuple(ids), key.block_hashes, sampling)
         generation = self._start(generate, body.stop_strings())

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from prefixmesh.wire import SamplingSettings
+
 
 class APIError(Exception):
     def __init__(
@@ -67,6 +69,36 @@ class _Sampling(_Request):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def engine_sampling(
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        max_model_len: int,
+        eos_token_id: int | None,
+    ) -> SamplingSettings:
+        """The engine's settings for a tokenized prompt, once it is known to fit: an empty
+        prompt is 422, a prompt or ``max_tokens`` past the context length 413. Without
+        ``max_tokens`` the request may use the rest of the context."""
+        if prompt_tokens <= 0:
+            raise APIError(422, "the prompt is empty", param="prompt")
+        room = max_model_len - prompt_tokens
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            raise APIError(
+                413,
+                f"this model's maximum context length is {max_model_len} tokens; the "
+                f"prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}",
+                param="max_tokens" if room > 0 else "prompt",
+                code="context_length_exceeded",
+            )
+        return SamplingSettings(
+            max_tokens=max_tokens if max_tokens is not None else room,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop_token_ids=() if self.ignore_eos or eos_token_id is None else (eos_token_id,),
+            ignore_eos=self.ignore_eos,
+        )
 
 
 class CompletionRequest(_Sampling):
