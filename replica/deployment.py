@@ -181,6 +181,8 @@ class ReplicaServer:
 
     def _hold_for(self, request: GenerateRequest) -> HoldInstruction | None:
         """The hold this request waits under before it enters the engine, if any."""
+        if request.hold is None and not (self._holds_enabled and len(self.inflight)):
+            return None  # the common case: nothing to wait for, no walk over the cache
         resident = self._resident.leading(request.block_hashes)
         own = None
         if self._holds_enabled:
