@@ -87,6 +87,8 @@ class RegistryState:
         self.sequences: dict[ReplicaId, SequenceState] = {}
         self.dropped: dict[ReplicaId, float] = {}
         """Replicas dropped recently, until when (see DROPPED_REPLICA_MEMORY_S)."""
+        self.last_seen: dict[ReplicaId, float] = {}
+        """When each replica last published or heartbeat in step (what ``reap`` reads)."""
         self.inflight: dict[BlockHash, tuple[ReplicaId, float]] = {}
         self.hotness: dict[BlockHash, DecayedCount] = {}
         self._release_listeners: list[Callable[[BlockHash], None]] = []
@@ -147,6 +149,7 @@ class RegistryState:
 
     def _publish_replica(self, replica: ReplicaId, events: list[CacheEvent]) -> PublishResult:
         self.dropped.pop(replica, None)  # its own events: alive after all
+        self.last_seen[replica] = self.clock()
         applied = duplicates = 0
         gap = reset = False
         for event in events:
@@ -314,9 +317,23 @@ class RegistryState:
 
     # ---- membership ------------------------------------------------------------------------
 
+    def heartbeat(self, replica: ReplicaId, epoch: int, seq: int) -> bool:
+        if self.sequences.get(replica) != SequenceState(epoch, seq):
+            return False  # out of step (or unknown): not seen until its resync arrives
+        self.last_seen[replica] = self.clock()
+        return True
+
+    def reap(self, dead_after_s: float) -> list[ReplicaId]:
+        cutoff = self.clock() - dead_after_s
+        dead = sorted(r for r, seen in self.last_seen.items() if seen < cutoff)
+        for replica in dead:
+            self.drop_replica(replica)
+        return dead
+
     def drop_replica(self, replica: ReplicaId) -> None:
         self._purge(replica)
         self.sequences.pop(replica, None)
+        self.last_seen.pop(replica, None)
         self.replicas.release(replica)
         now = self.clock()
         for expired in [r for r, until in self.dropped.items() if until <= now]:
@@ -403,6 +420,12 @@ class InMemoryRegistry:
 
     async def drop_replica(self, replica: ReplicaId) -> None:
         self.state.drop_replica(replica)
+
+    async def heartbeat(self, replica: ReplicaId, epoch: int, seq: int) -> bool | None:
+        return self.state.heartbeat(replica, epoch, seq)
+
+    async def reap(self, dead_after_s: float) -> list[ReplicaId]:
+        return self.state.reap(dead_after_s)
 
     async def known_replicas(self) -> set[ReplicaId]:
         return set(self.state.sequences)

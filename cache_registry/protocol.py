@@ -93,6 +93,24 @@ class CacheRegistry(Protocol):
         """Remove every trace of a replica: entries, speculative entries, claims, sequence."""
         ...
 
+    async def heartbeat(self, replica: ReplicaId, epoch: int, seq: int) -> bool | None:
+        """A live replica's proof of life, and its check that the registry is still in step.
+
+        True iff the last event applied for ``replica`` is (``epoch``, ``seq``): the replica
+        counts as seen now. False if the registry knows another position or none (it restarted,
+        was flushed, or reaped the replica): the replica must resync. ``None`` if the registry
+        could not answer. Every published event also counts as seen.
+        """
+        ...
+
+    async def reap(self, dead_after_s: float) -> list[ReplicaId]:
+        """Drop (as ``drop_replica``) every replica not seen for more than ``dead_after_s``.
+
+        Atomic and idempotent: any number of processes may reap the same registry. Returns the
+        replicas dropped by this call ([] if the registry could not answer).
+        """
+        ...
+
     async def known_replicas(self) -> set[ReplicaId]:
         """Replicas that have published events since they were last dropped."""
         ...

@@ -103,6 +103,8 @@ class RedisRegistry:
                 "CLAIM",
                 "RELEASE",
                 "DROP_REPLICA",
+                "HEARTBEAT",
+                "REAP",
                 "TOUCH",
             )
         }
@@ -213,6 +215,9 @@ class RedisRegistry:
     def _key(self, kind: str, suffix: str) -> str:
         return f"{self._prefix}:{kind}:{suffix}"
 
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
     # ---- lookups ---------------------------------------------------------------------------
 
     async def lookup(
@@ -223,7 +228,7 @@ class RedisRegistry:
             return {}
         args = [
             self._prefix,
-            int(self._clock() * 1000),
+            self._now_ms(),
             "".join(hex_hash(b) for b in key.block_hashes),
             "\n".join(replicas),
         ]
@@ -252,10 +257,12 @@ class RedisRegistry:
             if not 0 <= event.epoch <= MAX_EPOCH:
                 raise ValueError(f"epoch must be in [0, 2**53), got {event.epoch}")
 
+        now_ms = self._now_ms()
+
         async def run() -> list[Any]:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for replica, batch in grouped.items():
-                    args: list[Any] = [self._prefix, replica, self._max_holders]
+                    args: list[Any] = [self._prefix, replica, self._max_holders, now_ms]
                     for event in batch:
                         tier = -1 if event.tier is None else int(event.tier)
                         args += [
@@ -281,7 +288,7 @@ class RedisRegistry:
     async def add_speculative(self, key: PrefixKey, replica: ReplicaId, ttl_s: float) -> None:
         if not key.block_hashes:
             return
-        now_ms = int(self._clock() * 1000)
+        now_ms = self._now_ms()
         ttl_ms = max(1, math.ceil(ttl_s * 1000))
         args: list[Any] = [self._prefix, replica, now_ms + ttl_ms, ttl_ms, now_ms]
         args += [hex_hash(b) for b in key.block_hashes]
@@ -405,6 +412,28 @@ class RedisRegistry:
         )
         if not ok:
             self.stats.other_failures += 1
+
+    async def heartbeat(self, replica: ReplicaId, epoch: int, seq: int) -> bool | None:
+        args = [self._prefix, replica, epoch, seq, self._now_ms()]
+        matched, ok = await self._guarded(
+            lambda: self._scripts["HEARTBEAT"](args=args), 0, self._op_timeout_s
+        )
+        if not ok:
+            self.stats.other_failures += 1
+            return None
+        return bool(matched)
+
+    async def reap(self, dead_after_s: float) -> list[ReplicaId]:
+        cutoff_ms = self._now_ms() - math.ceil(dead_after_s * 1000)
+        memory_ms = int(DROPPED_REPLICA_MEMORY_S * 1000)
+        names, ok = await self._guarded(
+            lambda: self._scripts["REAP"](args=[self._prefix, cutoff_ms, memory_ms]),
+            [],
+            self._publish_timeout_s,
+        )
+        if not ok:
+            self.stats.other_failures += 1
+        return [ReplicaId(n) for n in names]
 
     async def known_replicas(self) -> set[ReplicaId]:
         names, _ok = await self._guarded(

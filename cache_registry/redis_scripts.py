@@ -12,6 +12,8 @@ Key layout, all under one hash tag ``P = "{namespace}"`` (one slot, so scripts m
 - ``P:s:<hex>``          HASH replica index -> expiry ms: speculative holders (key TTL = longest)
 - ``P:sr:<replica>``     ZSET hex -> expiry ms: the replica's speculative entries
 - ``P:seq``              HASH replica -> "epoch:seq" of the last applied event
+- ``P:alive``            ZSET replica -> when it last published or heartbeat in step (ms):
+                         ``REAP`` drops the silent ones
 - ``P:dead:<replica>``   STRING with PX TTL: dropped recently; speculative writes for it are
                          ignored until its own next event (``DROPPED_REPLICA_MEMORY_S``)
 - ``P:if:<hex>``         STRING holder of an in-flight claim, with PX TTL
@@ -64,16 +66,40 @@ local function drop_speculative(who, idx)
   end
   redis.call('DEL', index)
 end
+local function drop_replica(who, memory_ms)
+  -- The mark refuses speculative writes for it until its own next event (a late guess).
+  redis.call('SET', P .. ':dead:' .. who, 1, 'PX', memory_ms)
+  local idx = index_of(who)
+  if idx then
+    purge_entries(who, idx)
+    drop_speculative(who, idx)
+    redis.call('HDEL', P .. ':ridx', who)
+    redis.call('HDEL', P .. ':rid', idx)
+    redis.call('RPUSH', P .. ':ridfree', idx)
+  end
+  local claims = P .. ':ifr:' .. who
+  for _, h in ipairs(redis.call('SMEMBERS', claims)) do
+    local k = P .. ':if:' .. h
+    if redis.call('GET', k) == who then
+      redis.call('DEL', k)
+      redis.call('PUBLISH', P .. ':released', h)
+    end
+  end
+  redis.call('DEL', claims)
+  redis.call('HDEL', P .. ':seq', who)
+  redis.call('ZREM', P .. ':alive', who)
+end
 """
 
 PUBLISH = (
     _HELPERS
     + """
--- ARGV: P, replica, max_holders, then per event: kind (s|r|c), epoch, seq, tier (-1 = all), n,
--- n hex hashes. Returns {applied, duplicates, gap, reset}.
+-- ARGV: P, replica, max_holders, now_ms, then per event: kind (s|r|c), epoch, seq,
+-- tier (-1 = all), n, n hex hashes. Returns {applied, duplicates, gap, reset}.
 local replica = ARGV[2]
 local max_holders = tonumber(ARGV[3])
 redis.call('DEL', P .. ':dead:' .. replica)
+redis.call('ZADD', P .. ':alive', ARGV[4], replica)
 local idx = assign_index(replica)
 local index = P .. ':r:' .. replica
 local seq_key = P .. ':seq'
@@ -106,7 +132,7 @@ local function add_bits(h, bits)
   end
 end
 local applied, duplicates, gap, reset = 0, 0, 0, 0
-local i = 4
+local i = 5
 while i <= #ARGV do
   local kind, epoch, seq = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   local tier, n = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
@@ -295,27 +321,32 @@ DROP_REPLICA = (
     _HELPERS
     + """
 -- ARGV: P, replica, memory_ms (how long speculative writes for it are refused).
-local replica = ARGV[2]
-redis.call('SET', P .. ':dead:' .. replica, 1, 'PX', ARGV[3])
-local idx = index_of(replica)
-if idx then
-  purge_entries(replica, idx)
-  drop_speculative(replica, idx)
-  redis.call('HDEL', P .. ':ridx', replica)
-  redis.call('HDEL', P .. ':rid', idx)
-  redis.call('RPUSH', P .. ':ridfree', idx)
-end
-local claims = P .. ':ifr:' .. replica
-for _, h in ipairs(redis.call('SMEMBERS', claims)) do
-  local k = P .. ':if:' .. h
-  if redis.call('GET', k) == replica then
-    redis.call('DEL', k)
-    redis.call('PUBLISH', P .. ':released', h)
-  end
-end
-redis.call('DEL', claims)
-redis.call('HDEL', P .. ':seq', replica)
+drop_replica(ARGV[2], ARGV[3])
 return 1
+"""
+)
+
+HEARTBEAT = """
+-- ARGV: P, replica, epoch, seq, now_ms. 1 (and the replica counts as seen at now_ms) iff its
+-- last applied event is (epoch, seq); 0 if another or none (the replica must resync).
+local P = ARGV[1]
+local state = redis.call('HGET', P .. ':seq', ARGV[2])
+if not state then return 0 end
+local sep = string.find(state, ':', 1, true)
+local epoch, seq = tonumber(string.sub(state, 1, sep - 1)), tonumber(string.sub(state, sep + 1))
+if epoch ~= tonumber(ARGV[3]) or seq ~= tonumber(ARGV[4]) then return 0 end
+redis.call('ZADD', P .. ':alive', ARGV[5], ARGV[2])
+return 1
+"""
+
+REAP = (
+    _HELPERS
+    + """
+-- ARGV: P, cutoff_ms, memory_ms. Drops every replica last seen before cutoff_ms (as
+-- DROP_REPLICA); returns their ids. Atomic, so concurrent reapers drop each one once.
+local dead = redis.call('ZRANGEBYSCORE', P .. ':alive', '-inf', '(' .. ARGV[2])
+for _, who in ipairs(dead) do drop_replica(who, ARGV[3]) end
+return dead
 """
 )
 

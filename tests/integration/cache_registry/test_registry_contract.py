@@ -417,3 +417,58 @@ async def test_speculative_entries_rewritten_keep_their_latest_expiry(
     }
     clock.advance(0.5)
     assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {}
+
+
+# ---- liveness ------------------------------------------------------------------------------
+
+
+async def test_heartbeat_matches_the_last_applied_event(make_registry: RegistryFactory) -> None:
+    registry = await connected(make_registry)
+    ev = Sequencer(epoch=7)
+    await registry.publish([ev(EventKind.STORED, R1, H[:1]) for _ in range(3)])  # seq 0..2
+    assert await registry.heartbeat(R1, 7, 2) is True
+    assert await registry.heartbeat(R1, 7, 1) is False  # behind: something was lost
+    assert await registry.heartbeat(R1, 8, 2) is False  # another epoch
+    assert await registry.heartbeat(R2, 7, 2) is False  # never heard of: resync
+
+
+async def test_reap_drops_only_silent_replicas(
+    make_registry: RegistryFactory, clock: FakeClock
+) -> None:
+    registry, other = await connected(make_registry), await connected(make_registry)
+    ev = Sequencer()
+    await registry.publish([ev(EventKind.STORED, R1, H), ev(EventKind.STORED, R2, H[:4])])
+    await registry.publish([ev(EventKind.STORED, R3, H[:2])])
+    assert await registry.heartbeat(R1, 1, 0)
+    clock.advance(2.5)
+    assert await registry.heartbeat(R2, 1, 0)  # a heartbeat in step keeps R2 alive
+    await registry.publish([ev(EventKind.REMOVED, R3, H[1:2])])  # so does an event (R3)
+    clock.advance(1.0)
+
+    assert await registry.reap(3.0) == [R1]
+    assert await other.reap(3.0) == []  # idempotent: every live replica may reap
+    assert await registry.lookup(KEY, [R1, R2, R3], deadline_s=DEADLINE_S) == {
+        R2: hit(gpu=4),
+        R3: hit(gpu=1),
+    }
+    assert await registry.known_replicas() == {R2, R3}
+    # Reaped like a drop: a late guess does not bring it back, and its heartbeat says resync.
+    await registry.add_speculative(KEY, R1, ttl_s=60)
+    assert R1 not in await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S)
+    assert await registry.heartbeat(R1, 1, 0) is False
+    [result] = await registry.publish([CacheEvent(EventKind.STORED, R1, 0, 2, Tier.GPU, H[:3])])
+    assert result == PublishResult(R1, applied=1)  # the resync snapshot starts it afresh
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {R1: hit(gpu=3)}
+
+
+async def test_a_heartbeat_out_of_step_does_not_keep_a_replica_alive(
+    make_registry: RegistryFactory, clock: FakeClock
+) -> None:
+    registry = await connected(make_registry)
+    ev = Sequencer()
+    await registry.publish([ev(EventKind.STORED, R1, H[:2])])
+    clock.advance(2.0)
+    assert await registry.heartbeat(R1, 1, 5) is False
+    clock.advance(1.5)
+    assert await registry.reap(3.0) == [R1]
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {}
