@@ -104,7 +104,7 @@ def build_app(config: PrefixmeshConfig) -> Any:
             request_routing_stats_timeout_s=max(1.0, replica.routing_stats_period_s),
         ),
         health_check_period_s=5.0,
-        health_check_timeout_s=30.0,
+        health_check_timeout_s=replica.health_check_timeout_s,
         graceful_shutdown_timeout_s=20.0,
         **placement,
     )

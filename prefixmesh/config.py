@@ -53,6 +53,30 @@ class RegistryConfig(_Section):
     replica's own events to arrive, short enough not to mislead after a failed request."""
     hotness_half_life_s: float = Field(default=30.0, gt=0)
     """Half-life of the decayed traffic counters behind affinity groups."""
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    """A replica with nothing to publish for this long asks the registry whether it still holds
+    the replica's last event (a publish counts as one): a "no" (Redis restarted or flushed, or the
+    replica was reaped) makes it resync, so an idle replica heals too."""
+    dead_after_s: float = Field(default=3.0, gt=0)
+    """Redis backend: a replica that has sent neither an event nor a heartbeat for this long is
+    dropped from the registry at the next reap (a replica killed while idle leaves no entries)."""
+    reap_interval_s: float = Field(default=1.0, gt=0)
+    """Redis backend: how often each replica drops the silent ones (the reap is atomic and
+    idempotent, so any live replica may run it)."""
+
+    @model_validator(mode="after")
+    def _check_liveness(self) -> RegistryConfig:
+        if self.dead_after_s + self.reap_interval_s > 5.0:
+            raise ValueError(
+                "registry.dead_after_s + registry.reap_interval_s must be <= 5: a dead replica "
+                "must leave the registry within 5 s"
+            )
+        if self.heartbeat_interval_s * 2 > self.dead_after_s:
+            raise ValueError(
+                "registry.heartbeat_interval_s must be at most half of registry.dead_after_s: a "
+                "live replica that misses one heartbeat must not be reaped"
+            )
+        return self
 
 
 class RayPrefixConfig(_Section):
@@ -264,6 +288,10 @@ class RemoteEngineConfig(_Section):
     reconnect_interval_s: float = Field(default=0.5, gt=0)
     """Pause before re-opening a replica server's cache-event stream after it broke (the
     first message of a new stream is a snapshot, so nothing is lost for good)."""
+    unhealthy_after_s: float = Field(default=5.0, gt=0)
+    """The replica reports itself unhealthy (Serve replaces it) once its replica server's
+    cache-event stream has been down, or silent, this long (it carries the server's load
+    every 0.25 s): a restart on the same port within it is not a death."""
 
 
 class ReplicaConfig(_Section):
@@ -290,6 +318,9 @@ class ReplicaConfig(_Section):
     coalesce_stream: bool = True
     """Send the output deltas that piled up during the previous send as one chunk (the first
     goes out at once; replica/coalesce.py): less Ray and SSE relaying per token when busy."""
+    health_check_timeout_s: float = Field(default=10.0, gt=0)
+    """Serve's bound on one replica health check (its engine alive, or its replica server
+    reachable); a replica that fails it is replaced."""
     vllm: VllmConfig = VllmConfig()
     """Settings of the vllm engine."""
     sim: SimEngineConfig = SimEngineConfig()

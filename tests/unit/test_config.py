@@ -47,3 +47,11 @@ def test_every_field_is_documented() -> None:
                 walk(annotation)
 
     walk(PrefixmeshConfig)
+
+
+def test_liveness_settings_keep_the_5_s_bound() -> None:
+    assert load_config(overrides=["registry.dead_after_s=2", "registry.reap_interval_s=0.5"])
+    with pytest.raises(ValidationError, match="within 5 s"):
+        load_config(overrides=["registry.dead_after_s=4.5"])  # + the 1 s reap interval
+    with pytest.raises(ValidationError, match="misses one heartbeat"):
+        load_config(overrides=["registry.heartbeat_interval_s=2"])  # dead after 3 s
