@@ -426,9 +426,10 @@ class RedisRegistry:
     async def reap(self, dead_after_s: float) -> list[ReplicaId]:
         cutoff_ms = self._now_ms() - math.ceil(dead_after_s * 1000)
         memory_ms = int(DROPPED_REPLICA_MEMORY_S * 1000)
+        nobody: list[str] = []
         names, ok = await self._guarded(
             lambda: self._scripts["REAP"](args=[self._prefix, cutoff_ms, memory_ms]),
-            [],
+            nobody,
             self._publish_timeout_s,
         )
         if not ok:
