@@ -5,6 +5,11 @@ stored blocks' token ids and the parent block's vLLM hash. We re-hash the token 
 ``BlockHasher``, continuing the chain from the parent's key, and keep a vLLM-hash -> our-hash
 map for the blocks the engine holds, so ``BlockRemoved`` can be translated too. The map is also
 the replica's exact view of what its engine holds (the resync snapshot).
+
+``VllmEventStream`` follows vLLM's numbered ZMQ batches. A lost batch may hide removals (the
+registry would keep blocks the engine dropped) and stores (children of an unknown parent can
+never be translated, llm-d-kv-cache#372), so on a gap the replica forgets what it knows and
+tells the registry "cleared": it then under-reports until new stores arrive, and never lies.
 """
 
 from __future__ import annotations
@@ -29,8 +34,17 @@ class VllmEventTranslator:
         self.untranslatable = 0
         """Stored blocks skipped because their parent was unknown (an event was lost)."""
 
+        self.complete = True
+        """The map has seen every event since the engine started or last cleared its cache;
+        False after ``reset``: blocks the engine still holds are unknown here."""
+
     def held_blocks(self) -> tuple[BlockHash, ...]:
         return tuple(self._ours.values())
+
+    def reset(self) -> None:
+        """Forget every block (events were lost): what we map may be gone, what we lack held."""
+        self._ours.clear()
+        self.complete = False
 
     def translate(self, events: Iterable[Any]) -> list[BlockChange]:
         changes: list[BlockChange] = []
@@ -42,6 +56,7 @@ class VllmEventTranslator:
                 change = self._removed(event)
             elif kind == "AllBlocksCleared":
                 self._ours.clear()
+                self.complete = True  # the engine holds nothing: we know all of it again
                 change = BlockChange(EventKind.CLEARED, tier=None)
             else:
                 logger.debug("ignoring KV event %s", kind)
@@ -83,3 +98,43 @@ class VllmEventTranslator:
         if not ours:
             return None
         return BlockChange(EventKind.REMOVED, _MEDIUM_TIERS.get(event.medium, Tier.GPU), ours)
+
+
+class VllmEventStream:
+    """vLLM's KV event batches in order: ``(topic, seq, payload)`` frames, seq counting from 0
+    per engine publisher (``vllm/distributed/kv_events.py:ZmqEventPublisher``)."""
+
+    def __init__(self, translator: VllmEventTranslator) -> None:
+        self.translator = translator
+        self.next_seq = 0
+        """The batch number expected next."""
+        self.gaps = 0
+        """Times events were lost and the replica's view was cleared."""
+
+    def batch(self, seq: int, events: Iterable[Any] | None) -> list[BlockChange]:
+        """The changes one batch makes; ``events`` None: the batch could not be decoded."""
+        changes: list[BlockChange] = []
+        if seq != self.next_seq:  # dropped (ZMQ's high-water mark) or a restarted publisher
+            logger.warning("KV event batches from %d to %d lost; clearing", self.next_seq, seq)
+            changes.append(self._clear())
+        self.next_seq = seq + 1
+        if events is None:
+            return [*changes, self._clear()]
+        translator = self.translator
+        complete, before = translator.complete, translator.untranslatable
+        try:
+            changes += translator.translate(events)
+        except Exception:  # half applied: the map can no longer be trusted
+            logger.exception("untranslatable KV event batch %d; clearing", seq)
+            return [*changes, self._clear()]
+        if complete and translator.untranslatable > before:
+            # Every event was seen, yet a parent is unknown: one went missing unnumbered. After
+            # a reset, unknown parents are expected (and skipping them only under-reports).
+            logger.warning("KV event with an unknown parent in a complete stream; clearing")
+            changes.append(self._clear())
+        return changes
+
+    def _clear(self) -> BlockChange:
+        self.gaps += 1
+        self.translator.reset()
+        return BlockChange(EventKind.CLEARED, tier=None)

@@ -8,7 +8,7 @@ import pytest
 
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import EventKind, Tier
-from prefixmesh.replica.kv_events import VllmEventTranslator
+from prefixmesh.replica.kv_events import VllmEventStream, VllmEventTranslator
 
 HASHER = BlockHasher(4, "m")
 TOKENS = list(range(16))
@@ -69,3 +69,51 @@ def test_cpu_medium_maps_to_the_cpu_tier() -> None:
     translator = VllmEventTranslator(HASHER)
     [change] = translator.translate([BlockStored([b"v0"], None, TOKENS[:4], medium="CPU")])
     assert change.tier is Tier.CPU
+
+
+def test_a_stream_gap_clears_instead_of_guessing() -> None:
+    stream = VllmEventStream(VllmEventTranslator(HASHER))
+    [first] = stream.batch(0, [BlockStored([b"v0", b"v1"], None, TOKENS[:8])])
+    assert first.kind is EventKind.STORED
+    assert stream.batch(1, [BlockRemoved([b"v1"])])[0].kind is EventKind.REMOVED
+    # Batch 2 is lost: it may have removed v0 (the registry would keep a block the engine
+    # dropped) or stored v1's children (they could never be translated).
+    changes = stream.batch(3, [BlockStored([b"v2"], b"v1-again", TOKENS[4:8])])
+    assert [(c.kind, c.tier) for c in changes] == [(EventKind.CLEARED, None)]
+    assert stream.translator.held_blocks() == () and stream.gaps == 1
+    # Later stores from the root translate again; an unknown parent now only under-reports.
+    [stored] = stream.batch(4, [BlockStored([b"w0", b"w1"], None, TOKENS[:8])])
+    assert stored.block_hashes == KEY[:2]
+    assert stream.batch(5, [BlockStored([b"x"], b"unknown", TOKENS[8:12])]) == []
+    assert stream.gaps == 1
+
+
+def test_an_unknown_parent_in_a_complete_stream_clears_once() -> None:
+    stream = VllmEventStream(VllmEventTranslator(HASHER))
+    stored = BlockStored([b"v0"], None, TOKENS[:4])
+    orphan = BlockStored([b"v2"], b"lost", TOKENS[8:12])
+    changes = stream.batch(0, [stored, orphan])  # an event lost without a missing number
+    assert [c.kind for c in changes] == [EventKind.STORED, EventKind.CLEARED]
+    assert stream.batch(1, [orphan]) == [] and stream.gaps == 1  # expected after a reset
+    # The engine cleared its cache: the view is complete again, an orphan is news again.
+    assert stream.batch(2, [AllBlocksCleared()])[0].kind is EventKind.CLEARED
+    assert [c.kind for c in stream.batch(3, [orphan])] == [EventKind.CLEARED]
+    assert stream.gaps == 2
+
+
+def test_an_undecodable_batch_counts_as_lost() -> None:
+    stream = VllmEventStream(VllmEventTranslator(HASHER))
+    stream.batch(0, [BlockStored([b"v0"], None, TOKENS[:4])])
+    assert [c.kind for c in stream.batch(1, None)] == [EventKind.CLEARED]
+    assert stream.translator.held_blocks() == () and stream.next_seq == 2
+    bad_size = BlockStored([b"v0"], None, TOKENS[:8], block_size=8)
+    assert [c.kind for c in stream.batch(2, [bad_size])] == [EventKind.CLEARED]
+    assert stream.gaps == 2
+
+
+def test_a_restarted_publisher_counting_from_zero_is_a_gap() -> None:
+    stream = VllmEventStream(VllmEventTranslator(HASHER))
+    stream.batch(0, [BlockStored([b"v0"], None, TOKENS[:4])])
+    stream.batch(1, [])
+    assert [c.kind for c in stream.batch(0, [])] == [EventKind.CLEARED]
+    assert stream.next_seq == 1
