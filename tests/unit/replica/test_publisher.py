@@ -137,3 +137,122 @@ async def test_an_idle_replica_heals_a_registry_that_lost_its_state() -> None:
         assert held(target) == 3 and publisher.resyncs == 1
     finally:
         await publisher.stop()
+
+
+class LiveTarget(FlakyTarget):
+    """The registry with its liveness calls; ``in_step`` None lets the registry answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_step: bool | None = None
+        self.unreachable = False
+        self.heartbeats: list[tuple[int, int]] = []
+        self.reaps: list[float] = []
+
+    async def heartbeat(self, replica: ReplicaId, epoch: int, seq: int) -> bool | None:
+        self.heartbeats.append((epoch, seq))
+        if self.unreachable:
+            return None
+        if self.in_step is not None:
+            return self.in_step
+        return self.state.heartbeat(replica, epoch, seq)
+
+    async def reap(self, dead_after_s: float) -> list[ReplicaId]:
+        self.reaps.append(dead_after_s)
+        return self.state.reap(dead_after_s)
+
+
+async def eventually(check, timeout_s: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout_s / 0.01)):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    assert check()
+
+
+async def test_an_idle_replica_heartbeats_its_last_delivered_event() -> None:
+    target = LiveTarget()
+    publisher = EventPublisher(R, target, lambda: H[:2], heartbeat_s=0.05, liveness=target)
+    publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:2])])
+    publisher.start()
+    try:
+        await eventually(lambda: len(target.heartbeats) >= 3)
+        assert set(target.heartbeats) == {(publisher.epoch, 0)}
+        assert [len(batch) for batch in target.batches] == [1]  # no empty events any more
+        assert publisher.resyncs == 0
+    finally:
+        await publisher.stop()
+
+
+async def test_a_heartbeat_mismatch_triggers_a_snapshot() -> None:
+    target = LiveTarget()
+    publisher = EventPublisher(R, target, lambda: H[:3], liveness=target)
+    publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:3])])
+    await publisher.flush()
+    first_epoch = publisher.epoch
+    target.in_step = False  # the registry restarted, was flushed, or reaped this replica
+    publisher._next_heartbeat_at = 0.0  # a heartbeat is due
+    await publisher._heartbeat_if_idle()
+    await publisher.flush()
+    snapshot = target.batches[-1][0]
+    assert publisher.epoch > first_epoch and publisher.heartbeat_mismatches == 1
+    assert (snapshot.epoch, snapshot.seq, snapshot.block_hashes) == (publisher.epoch, 0, H[:3])
+
+
+async def test_an_unanswered_heartbeat_is_retried_soon_without_a_resync() -> None:
+    target = LiveTarget()
+    publisher = EventPublisher(R, target, lambda: H[:1], heartbeat_s=1.0, liveness=target)
+    publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:1])])
+    await publisher.flush()
+    target.unreachable = True
+    publisher._next_heartbeat_at = 0.0
+    publisher.start()
+    try:
+        # Asked again after 0.05, 0.1, 0.2 s ... not after a whole heartbeat interval: a
+        # registry that comes back without its state is found out quickly.
+        await eventually(lambda: len(target.heartbeats) >= 3, timeout_s=0.9)
+        assert publisher.resyncs == 0
+        target.unreachable, target.state = False, RegistryState()  # back, but empty
+        await eventually(lambda: held(target) == 1, timeout_s=2.0)
+        assert publisher.resyncs == 1
+    finally:
+        await publisher.stop()
+
+
+async def test_reaps_silent_replicas_once_in_contact_for_dead_after_s() -> None:
+    target = LiveTarget()
+    other = ReplicaId("silent")
+    target.state.publish([CacheEvent(EventKind.STORED, other, 0, 1, Tier.GPU, H)])
+    target.state.last_seen[other] -= 10.0  # silent for 10 s
+    publisher = EventPublisher(
+        R,
+        target,
+        lambda: (),
+        heartbeat_s=0.05,
+        liveness=target,
+        reap_interval_s=0.05,
+        dead_after_s=0.6,
+    )
+    publisher.start()
+    try:
+        await asyncio.sleep(0.2)
+        assert target.reaps == []  # not before this replica has been in contact for 0.6 s
+        await eventually(lambda: publisher.reaped == 1)
+        assert target.state.lookup(KEY, [other]) == {}
+        assert set(target.state.sequences) == {R}  # registered itself, kept alive
+        await asyncio.sleep(0.3)
+        assert all(d == 0.6 for d in target.reaps) and len(target.reaps) >= 2
+        assert publisher.reaped == 1
+    finally:
+        await publisher.stop()
+
+
+async def test_without_a_reap_interval_nothing_is_reaped() -> None:
+    target = LiveTarget()
+    publisher = EventPublisher(R, target, lambda: (), heartbeat_s=0.02, liveness=target)
+    publisher.start()
+    try:
+        await eventually(lambda: len(target.heartbeats) >= 3)
+        assert target.reaps == []
+    finally:
+        await publisher.stop()
