@@ -77,7 +77,11 @@ def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any)
         url = remote.urls[rank % len(remote.urls)]
         return RemoteEngine(
             RemoteEngineSettings(
-                url, remote.connect_timeout_s, remote.request_timeout_s, remote.reconnect_interval_s
+                url,
+                remote.connect_timeout_s,
+                remote.request_timeout_s,
+                remote.reconnect_interval_s,
+                remote.unhealthy_after_s,
             ),
             hasher,
             sink,
@@ -127,11 +131,18 @@ class ReplicaServer:
         self._coalesce = self.config.replica.coalesce_stream
         self._hold_min_blocks = max(1, policy.hold_min_tokens // self.config.cache.block_size)
         self.engine = make_engine(self.config, model_path, rank, self._on_changes)
+        registry = self.config.registry
         self.publisher = EventPublisher(
             self.replica_id,
             target,
             lambda: self.engine.held_blocks(),
             interval_s=self.config.replica.publish_interval_ms / 1000,
+            heartbeat_s=registry.heartbeat_interval_s,
+            liveness=self._registry,
+            # Redis is shared: every live replica reaps the silent ones (an atomic, idempotent
+            # script), so a replica killed while idle leaves even if no router notices.
+            reap_interval_s=registry.reap_interval_s if self._registry is not None else None,
+            dead_after_s=registry.dead_after_s,
         )
         await self.engine.start()
         self.publisher.start()
@@ -210,14 +221,23 @@ class ReplicaServer:
             "hold_timeouts": self.inflight.hold_timeouts,
             "published_events": self.publisher.published_events,
             "resyncs": self.publisher.resyncs,
+            "heartbeat_mismatches": self.publisher.heartbeat_mismatches,
+            "reaped_replicas": self.publisher.reaped,
+            "event_gaps": load.event_gaps,
         }
 
     async def check_health(self) -> None:
-        return None
+        """Serve replaces a replica whose check raises: a dead engine fails every request."""
+        if not self.engine.healthy():
+            raise RuntimeError(f"replica {self.replica_id}: its engine is not healthy")
 
     async def shutdown(self) -> None:
+        await self.publisher.stop()  # no heartbeat may race the final flush or the drop
         await self.publisher.flush()
-        await self.publisher.stop()
+        if self._registry is not None:
+            # Leaving for good (scale-down, redeploy): take our entries along now rather than
+            # leave routers to send our prefixes here until a reaper notices.
+            await self._registry.drop_replica(self.replica_id)
         await self.engine.shutdown()
         if self._registry is not None:
             await self._registry.close()

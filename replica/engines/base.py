@@ -43,6 +43,9 @@ class EngineLoad:
     """Fraction of the engine-tier KV cache in use."""
     prefix_cache_queries_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    event_gaps: int = 0
+    """Times the engine's own cache-event stream lost events and the replica's view was
+    cleared (vLLM's numbered ZMQ batches)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,10 @@ class Engine(Protocol):
         ...
 
     async def reset_prefix_cache(self) -> bool: ...
+
+    def healthy(self) -> bool:
+        """False once the engine can no longer serve (dead, or unreachable too long)."""
+        ...
 
     async def shutdown(self) -> None: ...
 

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,7 @@ def encode_load(load: EngineLoad) -> dict[str, Any]:
         "kv_usage": load.kv_usage,
         "prefix_cache_queries_tokens": load.prefix_cache_queries_tokens,
         "prefix_cache_hit_tokens": load.prefix_cache_hit_tokens,
+        "event_gaps": load.event_gaps,
     }
 
 
@@ -134,6 +136,7 @@ def decode_load(data: Mapping[str, Any]) -> EngineLoad:
         kv_usage=float(data["kv_usage"]),
         prefix_cache_queries_tokens=int(data["prefix_cache_queries_tokens"]),
         prefix_cache_hit_tokens=int(data["prefix_cache_hit_tokens"]),
+        event_gaps=int(data.get("event_gaps", 0)),  # absent from older replica servers
     )
 
 
@@ -147,6 +150,9 @@ class RemoteEngineSettings:
     connect_timeout_s: float = 60.0
     request_timeout_s: float = 600.0
     reconnect_interval_s: float = 0.5
+    unhealthy_after_s: float = 5.0
+    """Unhealthy once the server's event stream has been down, or silent, this long (the
+    server sends its load every 0.25 s while the stream is open)."""
 
 
 class RemoteEngine:
@@ -165,6 +171,8 @@ class RemoteEngine:
         self._mirror = HeldMirror()
         self._client: Any = None
         self._events_task: asyncio.Task[None] | None = None
+        self._last_heard = time.monotonic()
+        """When the event stream last opened or carried a line (the server's pulse)."""
 
     async def start(self) -> None:
         import httpx
@@ -184,6 +192,7 @@ class RemoteEngine:
                 f"cluster as {ours}: router keys would never match (align cache.* and model)"
             )
         self.kv_blocks = int(info["kv_blocks"])
+        self._last_heard = time.monotonic()
         self._capacity = {k: float(v) for k, v in info["capacity"].items()}
         self._events_task = asyncio.get_running_loop().create_task(self._follow_events())
         logger.info("remote engine %s: %d KV blocks", self.url, self.kv_blocks)
@@ -208,7 +217,9 @@ class RemoteEngine:
             try:
                 async with self._client.stream("GET", "/engine/events", timeout=None) as response:
                     response.raise_for_status()
+                    self._last_heard = time.monotonic()
                     async for line in response.aiter_lines():
+                        self._last_heard = time.monotonic()
                         if line:
                             self._on_event(json.loads(line))
             except asyncio.CancelledError:
@@ -273,6 +284,11 @@ class RemoteEngine:
     async def reset_prefix_cache(self) -> bool:
         response = await self._client.post("/reset_prefix_cache")
         return response.status_code == 200
+
+    def healthy(self) -> bool:
+        """The server was heard from less than ``unhealthy_after_s`` ago: a restart on the same
+        port stays healthy, a server that is gone or stalled does not."""
+        return time.monotonic() - self._last_heard <= self.settings.unhealthy_after_s
 
     def close(self) -> None:
         if self._events_task is not None:

@@ -195,6 +195,9 @@ class SimEngine:
             self._sink([BlockChange(EventKind.REMOVED, Tier.GPU, tuple(removed))])
         return True
 
+    def healthy(self) -> bool:
+        return True  # in-process and infallible: it lives exactly as long as the replica
+
     def close(self) -> None:
         if self._driver is not None:
             self._driver.cancel()

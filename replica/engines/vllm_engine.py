@@ -24,7 +24,7 @@ from prefixmesh.replica.engines.base import (
     EngineLoad,
     EngineRequest,
 )
-from prefixmesh.replica.kv_events import VllmEventTranslator
+from prefixmesh.replica.kv_events import VllmEventStream, VllmEventTranslator
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class VllmEngine:
         self.kv_blocks = 0
         self._hasher = hasher
         self._sink = sink
-        self._translator = VllmEventTranslator(hasher)
+        self._events = VllmEventStream(VllmEventTranslator(hasher))
         self._stats = _StatsCapture()
         self._engine: Any = None
         self._events_task: asyncio.Task[None] | None = None
@@ -172,14 +172,19 @@ class VllmEngine:
         from vllm.distributed.kv_events import KVEventBatch
 
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        stream = self._events
         while True:
+            # vLLM's publisher sends (topic, seq as 8 bytes big-endian, msgpack batch).
             frames = await self._socket.recv_multipart()
+            events: Any = None
+            seq = stream.next_seq  # a malformed message counts as the batch expected next
             try:
-                batch = decoder.decode(frames[-1])
-                changes = self._translator.translate(batch.events)
-            except Exception:  # a bad batch must not stop the stream
+                _topic, seq_bytes, payload = frames
+                seq = int.from_bytes(seq_bytes, "big")
+                events = decoder.decode(payload).events
+            except Exception:  # a bad batch must not stop the stream; it counts as lost
                 logger.exception("undecodable KV event batch")
-                continue
+            changes = stream.batch(seq, events)
             if changes:
                 self._sink(changes)
 
@@ -225,17 +230,22 @@ class VllmEngine:
     def load(self) -> EngineLoad:
         latest = self._stats.latest
         if latest is None:
-            return EngineLoad()
+            return EngineLoad(event_gaps=self._events.gaps)
         return EngineLoad(
             waiting_requests=latest.num_waiting_reqs + latest.num_skipped_waiting_reqs,
             running_requests=latest.num_running_reqs,
             kv_usage=latest.kv_cache_usage,
             prefix_cache_queries_tokens=self._stats.queries,
             prefix_cache_hit_tokens=self._stats.hits,
+            event_gaps=self._events.gaps,
         )
 
     def held_blocks(self) -> tuple[BlockHash, ...]:
-        return self._translator.held_blocks()
+        return self._events.translator.held_blocks()
+
+    def healthy(self) -> bool:
+        # AsyncLLM.errored: the engine core process died or its output loop stopped.
+        return self._engine is not None and not self._engine.errored
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._engine.reset_prefix_cache())

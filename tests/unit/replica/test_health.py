@@ -1,0 +1,130 @@
+"""A replica whose engine cannot serve fails Serve's health check (Serve then replaces it), and
+a replica that leaves for good takes its registry entries with it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from prefixmesh.cache_registry.factory import make_hasher
+from prefixmesh.cache_registry.memory import InMemoryRegistry
+from prefixmesh.cache_registry.types import EventKind, ReplicaId, Tier
+from prefixmesh.replica.deployment import ReplicaServer
+from prefixmesh.replica.engines.base import BlockChange, EngineLoad
+from prefixmesh.replica.engines.remote_engine import (
+    RemoteEngine,
+    RemoteEngineSettings,
+    encode_load,
+)
+from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
+from prefixmesh.replica.publisher import EventPublisher
+from tests.unit.replica.conftest import sim_config
+
+R = ReplicaId("replica-a")
+HASHER = make_hasher(sim_config())
+KEY = HASHER.hash_tokens(list(range(3 * 128)))
+
+
+class _Engine:
+    def __init__(self, healthy: bool) -> None:
+        self.is_healthy = healthy
+        self.shut_down = False
+
+    def healthy(self) -> bool:
+        return self.is_healthy
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
+
+    def close(self) -> None:
+        pass
+
+
+def _server(engine: _Engine) -> ReplicaServer:
+    server = ReplicaServer.__new__(ReplicaServer)  # no Serve: only what the calls touch
+    server.replica_id = R
+    server.engine = engine  # type: ignore[assignment]
+    return server
+
+
+async def test_check_health_raises_when_the_engine_is_not_healthy() -> None:
+    engine = _Engine(healthy=True)
+    server = _server(engine)
+    await server.check_health()
+    engine.is_healthy = False
+    with pytest.raises(RuntimeError, match="not healthy"):
+        await server.check_health()
+
+
+def test_a_vllm_engine_is_healthy_until_it_errors() -> None:
+    settings = VllmEngineSettings("model", 128, 4096, 2**30, True, 1, None)
+    engine = VllmEngine(settings, HASHER, lambda _: None)
+    assert not engine.healthy()  # not started
+    engine._engine = SimpleNamespace(errored=False)
+    assert engine.healthy()
+    engine._engine = SimpleNamespace(errored=True)  # AsyncLLM: the engine core died
+    assert not engine.healthy()
+
+
+class _Pulse(httpx.AsyncByteStream):
+    """The replica server's event stream: a load line every 20 ms, until the server goes."""
+
+    def __init__(self, up: dict[str, bool]) -> None:
+        self.up = up
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        line = json.dumps({"load": encode_load(EngineLoad())}).encode() + b"\n"
+        while self.up["up"]:
+            yield line
+            await asyncio.sleep(0.02)
+        raise httpx.ReadError("server gone")
+
+
+async def test_a_remote_engine_is_unhealthy_once_its_server_is_gone_too_long() -> None:
+    up = {"up": True}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if not up["up"]:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, stream=_Pulse(up))
+
+    settings = RemoteEngineSettings(
+        "http://127.0.0.1:9", reconnect_interval_s=0.02, unhealthy_after_s=0.3
+    )
+    engine = RemoteEngine(settings, HASHER, lambda _: None)
+    engine._client = httpx.AsyncClient(  # the transport is the only fake: no server at all
+        transport=httpx.MockTransport(handler), base_url="http://127.0.0.1:9"
+    )
+    engine._events_task = asyncio.get_running_loop().create_task(engine._follow_events())
+    try:
+        await asyncio.sleep(0.5)
+        assert engine.healthy()  # longer than unhealthy_after_s, but heard all along
+        up["up"] = False
+        await asyncio.sleep(0.1)
+        assert engine.healthy()  # a restart on the same port is not a death
+        await asyncio.sleep(0.4)
+        assert not engine.healthy()
+        up["up"] = True
+        await asyncio.sleep(0.1)
+        assert engine.healthy()
+    finally:
+        await engine.shutdown()
+
+
+async def test_shutdown_drops_the_replica_from_a_shared_registry() -> None:
+    registry = InMemoryRegistry(HASHER.fingerprint)
+    engine = _Engine(healthy=True)
+    server = _server(engine)
+    server._registry = registry
+    server.publisher = EventPublisher(R, registry, lambda: KEY.block_hashes, liveness=registry)
+    server.publisher.start()
+    server.publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, KEY.block_hashes)])
+    await server.shutdown()  # the final flush delivers the change, then the drop removes it
+    assert await registry.lookup(KEY, [R], deadline_s=1.0) == {}
+    assert await registry.known_replicas() == set()
+    assert registry.state.dropped.keys() == {R} and engine.shut_down
