@@ -7,6 +7,12 @@ like a real lookup: the group's holders (more for hotter groups, some blocks in 
 now and then a replica still computing the whole prompt (speculative), and the group's rate.
 Scenarios are built before timing; only ``route`` is timed, ``on_routed`` runs between calls
 so that the routing-history trees fill up as in service.
+
+Between two decisions a router sees only a few replicas' load change: the one it just routed
+to, and the load reports that came in meanwhile. ``--changed N`` replaces N replicas' snapshots
+per decision (new objects, as the adapters make them) and keeps the others' (the same frozen
+objects); ``--changed`` equal to ``--replicas`` gives every decision a whole new fleet, the
+worst case.
 """
 
 from __future__ import annotations
@@ -71,8 +77,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def build_scenarios(
-    rng: random.Random, *, replicas: int, groups: int, block_size: int, count: int
+    rng: random.Random,
+    *,
+    replicas: int,
+    groups: int,
+    block_size: int,
+    count: int,
+    changed: int | None = None,
 ) -> list[Scenario]:
+    """``count`` decisions; each one's snapshots differ from the previous one's in ``changed``
+    random replicas (None: in all of them)."""
     ids = [ReplicaId(f"replica-{i:03d}") for i in range(replicas)]
     capacities = [TP2 if i % 4 == 0 else TP1 for i in range(replicas)]
     head_blocks = HEAD_TOKENS // block_size
@@ -98,7 +112,7 @@ def build_scenarios(
         if rng.random() < 0.05:  # a sibling is being computed right now
             holder = rng.choice(ids)
             hits[holder] = PrefixHit(len(key), (len(key), 0, 0), len(key) - head_blocks)
-        snapshots = [
+        fresh = [
             ReplicaSnapshot(
                 replica_id,
                 capacity,
@@ -109,6 +123,12 @@ def build_scenarios(
             )
             for replica_id, capacity in zip(ids, capacities, strict=True)
         ]
+        if changed is None or not scenarios or changed >= replicas:
+            snapshots = fresh
+        else:
+            snapshots = list(scenarios[-1].replicas)
+            for position in rng.sample(range(replicas), changed):
+                snapshots[position] = fresh[position]
         group_rate = 6.0 * weights[group] / total_weight * groups**0.5
         scenarios.append(Scenario(request, snapshots, RegistryView(hits, group_rate)))
     return scenarios
@@ -163,11 +183,17 @@ def main(argv: list[str], prog: str = "prefixmesh policy-bench") -> int:
     parser.add_argument("--groups", type=int, default=200, help="prefix groups (Zipf)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--changed",
+        type=int,
+        default=4,
+        help="replicas whose load changes between two decisions (= --replicas: all)",
+    )
     parser.add_argument("--policies", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES))
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-    if args.replicas < 1 or args.decisions < 1 or args.scenarios < 1 or args.groups < 1:
-        parser.error("--replicas, --decisions, --scenarios and --groups must be >= 1")
+    if min(args.replicas, args.decisions, args.scenarios, args.groups, args.changed) < 1:
+        parser.error("--replicas, --decisions, --scenarios, --groups and --changed must be >= 1")
     if HEAD_TOKENS % args.block_size:
         parser.error(f"--block-size must divide the {HEAD_TOKENS}-token group head")
 
@@ -177,9 +203,14 @@ def main(argv: list[str], prog: str = "prefixmesh policy-bench") -> int:
         groups=args.groups,
         block_size=args.block_size,
         count=args.scenarios,
+        changed=args.changed,
     )
     results = [time_policy(name, scenarios, args.decisions, args.seed) for name in args.policies]
-    print(f"one route() decision, {args.replicas} replicas, {args.decisions} decisions each")
+    changed = min(args.changed, args.replicas)
+    print(
+        f"one route() decision, {args.replicas} replicas ({changed} with new load per "
+        f"decision), {args.decisions} decisions each"
+    )
     print(f"{'policy':<12} {'mean us':>9} {'p50 us':>9} {'p99 us':>9} {'cpu mean us':>12}")
     for result in results:
         print(
@@ -190,6 +221,7 @@ def main(argv: list[str], prog: str = "prefixmesh policy-bench") -> int:
         payload = {
             "python": sys.version.split()[0],
             "block_size": args.block_size,
+            "changed_per_decision": changed,
             "groups": args.groups,
             "results": [asdict(result) for result in results],
         }

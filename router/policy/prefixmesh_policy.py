@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
 from prefixmesh.cache_registry.types import BlockHash, PrefixHit, ReplicaId
@@ -58,6 +58,9 @@ _REFERENCE_REFRESH = 64
 """Decisions between refreshes of the fleet's average replica (``traffic_weight``'s unit):
 capacity changes slowly, and a full pass over the fleet per decision would cost ~3 us."""
 
+
+_RUNNING_COST_STEP = 0.01
+"""Relative change of the learned running cost (``DecodeCost``) that the estimate follows."""
 
 _replica_id = attrgetter("replica_id")
 
@@ -181,9 +184,13 @@ class PrefixmeshPolicy:
         # slowly, and pricing in the same pass saves a second one over the fleet.
         price = config.recompute_penalty + self._fleet_backlog_s / config.pressure_wait_s
         if self.decode_cost is not None:
-            self.model.running_cost = self.decode_cost.value
+            learned = self.decode_cost.value
+            # Moves of under 1% are noise in the estimate; ignoring them keeps the model's
+            # per-snapshot terms (``TtftModel.estimate``) valid across decisions.
+            if abs(learned - self.model.running_cost) > _RUNNING_COST_STEP * learned:
+                self.model.running_cost = learned
         members = self._members(request, replicas, view, now_s)
-        credit = None if members is None else self._credit(view.hits, members, len(replicas))
+        credit = None if members is None else self._credit(view.hits, members)
         estimates = self.model.estimate(request, replicas, view.hits, price, credit)
         backlog_s = estimates.least_backlog_s
         self._fleet_backlog_s = backlog_s if backlog_s == backlog_s else 0.0  # NaN: forget
@@ -332,8 +339,8 @@ class PrefixmeshPolicy:
         return ring.member_positions(group, k)
 
     def _credit(
-        self, hits: Mapping[ReplicaId, PrefixHit], members: Iterable[int], count: int
-    ) -> tuple[list[bool], int] | None:
+        self, hits: Mapping[ReplicaId, PrefixHit], members: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], int] | None:
         """Credit every member with the group's shared prefix: the longest run of blocks some
         replica holds confirmed, if it covers the group's head (None: nothing to credit).
 
@@ -349,10 +356,7 @@ class PrefixmeshPolicy:
                 shared = confirmed
         if shared < self._group_blocks:
             return None
-        flags = [False] * count
-        for index in members:
-            flags[index] = True
-        return flags, shared
+        return members, shared
 
     # ---- delay-hit deferral ------------------------------------------------------------------
 

@@ -47,8 +47,10 @@ of everyone, not this request's alone:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from itertools import compress
+from operator import is_not, itemgetter
 
 from prefixmesh.cache_registry.types import PrefixHit, ReplicaId
 from prefixmesh.router.policy.base import ReplicaCapacity, ReplicaSnapshot, RouteRequest
@@ -165,6 +167,7 @@ class TtftModel:
         self.queue_externality = queue_externality
         self.running_cost = 1.0
         """Step time a running request adds, in token computes (set from ``DecodeCost``)."""
+        self._terms = _ReplicaTerms(min_prefill_share, queue_externality)
 
     def held(
         self, hit: PrefixHit, capacity: ReplicaCapacity, key_blocks: int
@@ -263,140 +266,195 @@ class TtftModel:
         replicas: Sequence[ReplicaSnapshot],
         hits: Mapping[ReplicaId, PrefixHit],
         work_price: float = 0.0,
-        credit: tuple[Sequence[bool], int] | None = None,
+        credit: tuple[Sequence[int], int] | None = None,
     ) -> CandidateEstimates:
         """``explain`` for every candidate, fast (the routing hot path), each priced with
         ``ReplicaEstimate.cost(work_price, queue_externality)``.
 
-        ``credit``: (flags, blocks): the replicas whose flag (by position) is set are estimated
-        as if they held at least the prompt's first ``blocks`` blocks in GPU memory (a hot
-        group's members: the policy does not charge a request for the copy its group's traffic
-        has paid for). The holders list keeps what the registry said."""
-        try:
-            return self._estimate(request, replicas, hits, work_price, credit)
-        except ZeroDivisionError:  # a zero rate or budget in some report: clamp, then redo
-            sane = [_sane(s) for s in replicas]
-            return self._estimate(request, sane, hits, work_price, credit)
+        ``credit``: (positions, blocks): the replicas at these positions are estimated as if
+        they held at least the prompt's first ``blocks`` blocks in GPU memory (a hot group's
+        members: the policy does not charge a request for the copy its group's traffic has
+        paid for). The holders list keeps what the registry said.
 
-    def _estimate(
-        self,
-        request: RouteRequest,
-        replicas: Sequence[ReplicaSnapshot],
-        hits: Mapping[ReplicaId, PrefixHit],
-        price: float,
-        credit: tuple[Sequence[bool], int] | None,
-    ) -> CandidateEstimates:
-        # NOTE: this loop runs for every candidate of every request and must stay well under
-        # 50 us at 64 replicas (about 0.4 us a replica in CPython), so ``step_times`` and the
-        # common kinds of hit (all GPU, or GPU + CPU credited) are inlined, the terms that do
-        # not depend on the replica are folded before the loop, nothing is clamped (a zero
-        # divides, and ``estimate`` retries with clamped snapshots) and nothing but a tuple
-        # per holder is allocated. tests/unit/router/policy/test_ttft.py checks it against
-        # ``explain``.
+        What does not depend on the request (a replica's step times, queue wait, backlog) is
+        kept per snapshot object (``_ReplicaTerms``) and recomputed only for the snapshots that
+        are not the very objects of the previous call: adapters hand over the same frozen
+        snapshot while a replica's load is unchanged, and between two decisions only a few
+        replicas' loads change (the one just routed to, the reports that came in)."""
+        terms = self._terms.update(replicas, self.running_cost)
         prompt = request.prompt_tokens if request.prompt_tokens > 0 else 0
         least_uncached = 1 if prompt else 0  # vLLM always computes the last token
-        key_blocks = len(request.key.block_hashes)
-        block_size = self.block_size
-        cpu_discount = 1.0 - self.cpu_fallback_credit
-        min_share = self.min_prefill_share
-        ext = self.queue_externality
-        running_cost = self.running_cost
-        hits_get = hits.get if hits else None
-        priced = 1.0 + price
-        # A replica without a hit computes the whole prompt: its priced work and the delay it
-        # adds per waiting request, in token computes, are the same everywhere.
-        plain_work = prompt * priced
-        plain_delay = ext * prompt
-        credited: Sequence[bool] | None = None
-        credit_uncached = prompt
-        if credit is not None:
-            credited = credit[0]
-            credit_uncached = max(prompt - min(credit[1], key_blocks) * block_size, least_uncached)
         count = len(replicas)
-        waits = [0.0] * count
-        costs = [0.0] * count
+        uncached_at = [prompt] * count
+        load_at: list[float] | None = None
         holders: list[Holder] = []
         any_speculative = False
-        least_backlog_s = math.inf if count else 0.0
-        index = -1
-        for snapshot in replicas:
-            index += 1
-            capacity = snapshot.capacity
-            token_s = 1.0 / capacity.prefill_tokens_per_s
-            running = snapshot.running_requests
-            decode_step_s = capacity.decode_step_s + running * running_cost * token_s
-            if capacity.kv_read_s_per_block:
-                decode_step_s += snapshot.active_kv_blocks * capacity.kv_read_s_per_block
-            budget = capacity.max_batch_tokens
-            chunk = budget - running
-            if chunk < min_share * budget:
-                chunk = min_share * budget
-            pending = snapshot.pending_prefill_tokens
-            waiting = snapshot.queued_requests
-            if pending > 0:
-                backlog_s = pending * (token_s + decode_step_s / chunk)
-                if backlog_s < least_backlog_s:
-                    least_backlog_s = backlog_s
-                wait = 0.5 * decode_step_s + backlog_s
-                if waiting <= 0:
-                    waiting = 1  # a running prefill
-            else:
-                least_backlog_s = 0.0
-                wait = 0.5 * decode_step_s if running > 0 else 0.0
-                if waiting < 0:
-                    waiting = 0
-            waits[index] = wait
-            if hits_get is None or (hit := hits_get(snapshot.replica_id)) is None:
-                if credited is None or not credited[index]:
-                    # The common case: nothing held there, the whole prompt to compute.
-                    if prompt <= chunk:
-                        costs[index] = (
-                            wait + decode_step_s + (plain_work + waiting * plain_delay) * token_s
-                        )
-                    else:
-                        costs[index] = (
-                            wait
-                            + decode_step_s * prompt / chunk
-                            + (plain_work + waiting * ext * chunk) * token_s
-                        )
-                    continue
-                uncached = credit_uncached
-                load_s = 0.0
-            else:
+        if hits:
+            key_blocks = len(request.key.block_hashes)
+            block_size = self.block_size
+            cpu_discount = 1.0 - self.cpu_fallback_credit
+            position = terms.position
+            for replica_id, hit in hits.items():
+                index = position.get(replica_id)
                 held_blocks = hit.num_blocks
+                if index is None or held_blocks <= 0:
+                    continue
                 _, cpu, disk = hit.blocks_by_tier
                 load_s = 0.0
                 if disk or held_blocks > key_blocks or cpu > held_blocks:
-                    saved, load_s = self.held(hit, capacity, key_blocks)
+                    saved, load_s = self.held(hit, replicas[index].capacity, key_blocks)
                     uncached = int(prompt - saved + 0.5)
                 elif not cpu:  # all in GPU memory: the common hit
                     uncached = prompt - held_blocks * block_size
-                elif capacity.cpu_load_s_per_block > 0:
+                elif (cpu_load := replicas[index].capacity.cpu_load_s_per_block) > 0:
                     uncached = prompt - held_blocks * block_size
-                    load_s = cpu * capacity.cpu_load_s_per_block
+                    load_s = cpu * cpu_load
                 else:  # CPU blocks, credited
                     uncached = int(prompt - (held_blocks - cpu * cpu_discount) * block_size + 0.5)
                 if uncached < least_uncached:
                     uncached = least_uncached
-                if held_blocks > 0:
-                    holders.append((index, hit, uncached))
-                    if hit.num_speculative > 0:
-                        any_speculative = True
-                if credited is not None and uncached > credit_uncached and credited[index]:
-                    uncached = credit_uncached
-                    load_s = 0.0
-            if uncached <= chunk:
-                costs[index] = (
-                    wait + load_s + decode_step_s + uncached * (priced + waiting * ext) * token_s
-                )
+                holders.append((index, hit, uncached))
+                if hit.num_speculative > 0:
+                    any_speculative = True
+                uncached_at[index] = uncached
+                if load_s:
+                    if load_at is None:
+                        load_at = [0.0] * count
+                    load_at[index] = load_s
+            if len(holders) > 1:
+                holders.sort(key=_position_of)
+        if credit is not None:
+            credit_blocks = min(credit[1], len(request.key.block_hashes))
+            credit_uncached = max(prompt - credit_blocks * self.block_size, least_uncached)
+            for index in credit[0]:
+                if uncached_at[index] > credit_uncached:
+                    uncached_at[index] = credit_uncached
+                    if load_at is not None:
+                        load_at[index] = 0.0
+        priced = 1.0 + work_price
+        # One pass in a comprehension: the per-replica terms are folded so that the cost is
+        # linear in the tokens computed there, in one step (u <= chunk) or in chunks.
+        costs = [
+            fixed + u * (priced * token_s + delay)
+            if u <= chunk
+            else chunked + u * (per + priced * token_s)
+            for (chunk, fixed, token_s, delay, per, chunked), u in zip(
+                terms.cost_terms, uncached_at, strict=True
+            )
+        ]
+        if load_at is not None:
+            costs = [cost + load for cost, load in zip(costs, load_at, strict=True)]
+        least_backlog_s = min(terms.backlogs) if count else 0.0
+        return CandidateEstimates(
+            list(terms.waits), costs, least_backlog_s, holders, any_speculative
+        )
+
+
+_position_of = itemgetter(0)
+
+CostTerms = tuple[float, float, float, float, float, float]
+"""One replica's request-independent terms, folded so that its cost for computing u tokens is
+``fixed + u * (price * token_s + delay)`` when u fits one step's chunk, else
+``chunked + u * (per_token + price * token_s)``: (chunk, fixed, token_s, delay, per_token,
+chunked), with fixed = wait + decode step, delay = waiting requests x queue externality x
+token_s, per_token = decode step / chunk, chunked = wait + delay x chunk."""
+
+
+class _ReplicaTerms:
+    """The request-independent part of every candidate's estimate, kept per snapshot object."""
+
+    __slots__ = (
+        "backlogs",
+        "cost_terms",
+        "ext",
+        "min_share",
+        "position",
+        "running_cost",
+        "snapshots",
+        "waits",
+    )
+
+    def __init__(self, min_share: float, ext: float) -> None:
+        self.min_share = min_share
+        self.ext = ext
+        self.running_cost = math.nan
+        self.snapshots: list[ReplicaSnapshot] = []
+        self.cost_terms: list[CostTerms] = []
+        self.waits: list[float] = []
+        self.backlogs: list[float] = []
+        self.position: dict[ReplicaId, int] = {}
+
+    def update(self, replicas: Sequence[ReplicaSnapshot], running_cost: float) -> _ReplicaTerms:
+        known = self.snapshots
+        count = len(replicas)
+        if running_cost == self.running_cost and len(known) == count:
+            changed = list(compress(range(count), map(is_not, replicas, known)))
+            if not changed:
+                return self
+            if all(replicas[i].replica_id == known[i].replica_id for i in changed):
+                for index in changed:
+                    known[index] = replicas[index]
+                self._fill(changed)
+                return self
+        # Another running cost, fleet or order: start over.
+        self.running_cost = running_cost
+        self.snapshots = list(replicas)
+        self.cost_terms = [_NO_TERMS] * count
+        self.waits = [0.0] * count
+        self.backlogs = [0.0] * count
+        self.position = {s.replica_id: i for i, s in enumerate(self.snapshots)}
+        self._fill(range(count))
+        return self
+
+    def _fill(self, indices: Iterable[int]) -> None:
+        """The terms of the snapshots at ``indices``: ``explain``'s step model, inlined (this
+        runs for every replica when the fleet changes, so no call per replica)."""
+        snapshots = self.snapshots
+        cost_terms, waits, backlogs = self.cost_terms, self.waits, self.backlogs
+        min_share, ext, running_cost = self.min_share, self.ext, self.running_cost
+        for index in indices:
+            snapshot = snapshots[index]
+            capacity = snapshot.capacity
+            rate = capacity.prefill_tokens_per_s
+            budget = capacity.max_batch_tokens
+            if not (rate > 0 and budget > 0):
+                capacity = _sane(snapshot).capacity  # a zero in a report: clamp, do not divide
+                rate, budget = capacity.prefill_tokens_per_s, capacity.max_batch_tokens
+            token_s = 1.0 / rate
+            running = snapshot.running_requests
+            decode_step_s = capacity.decode_step_s + running * running_cost * token_s
+            if capacity.kv_read_s_per_block:
+                decode_step_s += snapshot.active_kv_blocks * capacity.kv_read_s_per_block
+            chunk = budget - running
+            if chunk < min_share * budget:
+                chunk = min_share * budget
+            per_token = decode_step_s / chunk
+            pending = snapshot.pending_prefill_tokens
+            waiting = snapshot.queued_requests
+            if pending > 0:
+                backlog_s = pending * (token_s + per_token)
+                wait = 0.5 * decode_step_s + backlog_s
+                if waiting <= 0:
+                    waiting = 1  # a running prefill
             else:
-                costs[index] = (
-                    wait
-                    + load_s
-                    + decode_step_s * uncached / chunk
-                    + (uncached * priced + waiting * ext * chunk) * token_s
-                )
-        return CandidateEstimates(waits, costs, least_backlog_s, holders, any_speculative)
+                backlog_s = 0.0
+                wait = 0.5 * decode_step_s if running > 0 else 0.0
+                if waiting < 0:
+                    waiting = 0
+            delay = waiting * ext * token_s
+            cost_terms[index] = (
+                chunk,
+                wait + decode_step_s,
+                token_s,
+                delay,
+                per_token,
+                wait + delay * chunk,
+            )
+            waits[index] = wait
+            backlogs[index] = backlog_s
+
+
+_NO_TERMS: CostTerms = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def _sane(snapshot: ReplicaSnapshot) -> ReplicaSnapshot:

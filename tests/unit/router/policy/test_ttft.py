@@ -127,6 +127,36 @@ def test_bulk_estimate_matches_the_term_by_term_one() -> None:
             assert tiny.per_token_s(replicas[index]) == pytest.approx(one.steps.prefill_s_per_token)
 
 
+def test_terms_kept_across_calls_follow_every_changed_snapshot() -> None:
+    # One model reused over a fleet whose snapshots are replaced a few at a time (as adapters
+    # do) must estimate exactly what a fresh model does, including after the running cost,
+    # the fleet or its order change.
+    rng = random.Random(11)
+    kept = model()
+    fleet = [snap(f"r{i}", running=rng.randrange(40), pending=rng.randrange(300)) for i in range(8)]
+    for step in range(60):
+        for position in rng.sample(range(len(fleet)), rng.randrange(3)):
+            fleet[position] = snap(
+                fleet[position].replica_id,
+                running=rng.randrange(40),
+                pending=rng.choice([0, rng.randrange(300)]),
+                queued=rng.randrange(3),
+            )
+        if step % 20 == 7:
+            kept.running_cost = rng.choice([1.0, 2.5])
+        if step == 30:
+            fleet.reverse()
+        if step == 45:
+            fleet.append(snap("new", running=3))
+        req = request(*range(rng.randrange(1, 30)))
+        hits = {fleet[1].replica_id: hit(gpu=rng.randrange(1, 20))}
+        fresh = model()
+        fresh.running_cost = kept.running_cost
+        got = kept.estimate(req, list(fleet), hits, work_price=0.3, credit=((2,), 5))
+        want = fresh.estimate(req, list(fleet), hits, work_price=0.3, credit=((2,), 5))
+        assert got == want
+
+
 def test_a_long_prompt_avoids_a_replica_where_short_requests_wait_to_start() -> None:
     # Both idle but for their queues: a has 3 requests about to start, b none. The 90-token
     # prompt's first chunk would delay each of a's by 90 ms.
