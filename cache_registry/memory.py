@@ -12,8 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from prefixmesh.cache_registry.hashing import CacheFingerprint, FingerprintMismatchError
 from prefixmesh.cache_registry.holders import ReplicaIndex, Row, RunSegment, count_segments
@@ -36,13 +35,18 @@ from prefixmesh.cache_registry.types import (
 Clock = Callable[[], float]
 
 
-@dataclass(slots=True)
 class BlockEntry:
-    """Who holds one block: a bitmask of replica indices per tier, and speculative holders."""
+    """Who holds one block: a bitmask of replica indices per tier, and speculative holders.
 
-    tiers: list[int] = field(default_factory=lambda: [0, 0, 0])
-    speculative: dict[int, float] = field(default_factory=dict)
-    """Replica index -> expiry (clock seconds) of routing-time entries."""
+    A plain slotted class, not a dataclass with default factories: the simulator creates one
+    per new block of every routed prompt, and the factories' calls were most of that cost."""
+
+    __slots__ = ("speculative", "tiers")
+
+    def __init__(self) -> None:
+        self.tiers = [0, 0, 0]
+        self.speculative: dict[int, float] = {}
+        """Replica index -> expiry (clock seconds) of routing-time entries."""
 
     @property
     def confirmed(self) -> int:
@@ -80,10 +84,10 @@ class RegistryState:
         self.blocks: dict[BlockHash, BlockEntry] = {}
         self.replica_blocks: dict[ReplicaId, set[BlockHash]] = {}
         """Blocks each replica holds confirmed (what drop, clear and reset walk)."""
-        self.replica_speculative: dict[ReplicaId, deque[tuple[float, BlockHash]]] = {}
-        """Each replica's speculative entries in the order written (expiry, block): expiring
+        self.replica_speculative: dict[ReplicaId, deque[tuple[float, tuple[BlockHash, ...]]]] = {}
+        """Each replica's speculative writes in the order written (expiry, blocks): expiring
         them pops from the front instead of scanning. An entry already forgotten (confirmed,
-        removed) stays in the queue and is skipped when it comes up."""
+        removed, written again later) is skipped when its write comes up."""
         self.sequences: dict[ReplicaId, SequenceState] = {}
         self.dropped: dict[ReplicaId, float] = {}
         """Replicas dropped recently, until when (see DROPPED_REPLICA_MEMORY_S)."""
@@ -183,7 +187,7 @@ class RegistryState:
                 self._add(block, replica, index, event.tier)
             else:
                 self._remove(block, replica, index, event.tier)
-                self._forget_speculative(block, index)
+                self._forget_speculative((block,), index)
 
     def _add(self, block: BlockHash, replica: ReplicaId, index: int, tier: Tier) -> None:
         entry = self.blocks.get(block)
@@ -242,33 +246,39 @@ class RegistryState:
         index = self.replicas.assign(replica)
         queue = self.replica_speculative.setdefault(replica, deque())
         while queue and queue[0][0] <= now:
-            expiry, block = queue.popleft()
-            self._forget_speculative(block, index, expiry)
+            expiry, written = queue.popleft()
+            self._forget_speculative(written, index, expiry)
         expiry = now + ttl_s
-        for block in key.block_hashes:
-            entry = self.blocks.get(block)
+        hashes = key.block_hashes
+        blocks = self.blocks
+        for block in hashes:
+            entry = blocks.get(block)
             if entry is None:
-                entry = self.blocks[block] = BlockEntry()
+                entry = blocks[block] = BlockEntry()
             entry.speculative[index] = expiry
-            queue.append((expiry, block))
+        queue.append((expiry, hashes))
 
     def _forget_speculative(
-        self, block: BlockHash, index: int, expiry: float | None = None
+        self, blocks: Iterable[BlockHash], index: int, expiry: float | None = None
     ) -> None:
-        """Drop the replica's speculative entry on ``block`` (only the one written with
+        """Drop the replica's speculative entries on ``blocks`` (only those written with
         ``expiry``, when given: a later write of the same block stands)."""
-        entry = self.blocks.get(block)
-        if entry is None or index not in entry.speculative:
-            return
-        if expiry is not None and entry.speculative[index] != expiry:
-            return
-        del entry.speculative[index]
-        if entry.empty:
-            del self.blocks[block]
+        entries = self.blocks
+        for block in blocks:
+            entry = entries.get(block)
+            if entry is None:
+                continue
+            speculative = entry.speculative
+            written = speculative.get(index)
+            if written is None or (expiry is not None and written != expiry):
+                continue
+            del speculative[index]
+            if not speculative and not (entry.tiers[0] | entry.tiers[1] | entry.tiers[2]):
+                del entries[block]
 
     def _drop_speculative(self, replica: ReplicaId, index: int) -> None:
-        for expiry, block in self.replica_speculative.pop(replica, ()):
-            self._forget_speculative(block, index, expiry)
+        for expiry, written in self.replica_speculative.pop(replica, ()):
+            self._forget_speculative(written, index, expiry)
 
     # ---- in-flight claims ------------------------------------------------------------------
 
