@@ -27,6 +27,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixmesh.cache_registry.bench",
         "registry lookup latency, publish throughput and memory per entry",
     ),
+    "freshness-bench": (
+        "prefixmesh.loadtest.freshness",
+        "lag from a replica storing or evicting blocks to the Redis registry showing it",
+    ),
     "policy-bench": (
         "prefixmesh.router.policy.bench",
         "time of one routing decision per policy at 64 replicas",
