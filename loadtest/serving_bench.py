@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from prefixmesh.cache_registry.hashing import BlockHasher
-from prefixmesh.cache_registry.redis_server import free_port
+from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.loadtest.keys import token_id
-from prefixmesh.loadtest.workloads import GroupsWorkload, WorkloadRequest
+from prefixmesh.loadtest.workloads import BurstWorkload, GroupsWorkload, WorkloadRequest
 from prefixmesh.local_ray import init_local_ray
 
 VOCAB = 8192  # the demo model's
@@ -59,6 +59,10 @@ class PolicyReport:
     usage_hit_rate: float
     """From the responses' usage.prompt_tokens_details.cached_tokens."""
     oracle_hit_rate: float
+    computed_tokens: int
+    """Prompt tokens the replicas computed (queried - hit, from their counters)."""
+    min_computed_tokens: int
+    """What one unbounded cache over the same prompts would compute (1 - oracle hit rate)."""
     requests_per_replica: dict[str, int]
     duration_s: float
 
@@ -159,6 +163,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def bench_policy(
+    label: str,
     config: PrefixmeshConfig,
     url: str,
     workload: list[WorkloadRequest],
@@ -189,8 +194,9 @@ def bench_policy(
     per_replica: dict[str, int] = {}
     for o in ok:
         per_replica[o.replica] = per_replica.get(o.replica, 0) + 1
+    prompt_tokens = sum(len(p) for p in prompts)
     return PolicyReport(
-        policy=config.routing.policy,
+        policy=label,
         requests=len(outcomes),
         failures=len(outcomes) - len(ok),
         ttft_mean_s=round(statistics.fmean(ttfts), 4) if ttfts else float("nan"),
@@ -201,6 +207,8 @@ def bench_policy(
             sum(o.cached_tokens for o in ok) / max(1, sum(o.prompt_tokens for o in ok)), 4
         ),
         oracle_hit_rate=round(oracle, 4),
+        computed_tokens=queries - hits,
+        min_computed_tokens=round(prompt_tokens * (1 - oracle)),
         requests_per_replica=dict(sorted(per_replica.items())),
         duration_s=round(duration, 2),
     )
@@ -257,6 +265,14 @@ def measure_overhead(config: PrefixmeshConfig, url: str, samples: int) -> dict[s
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
+    parser.add_argument(
+        "--workload",
+        choices=["groups", "burst"],
+        default="groups",
+        help="groups: Poisson requests over shared prefixes; burst: bursts of --burst-size "
+        "requests sharing a fresh --group-tokens prefix within 5 ms (delay-hit holds)",
+    )
+    parser.add_argument("--burst-size", type=int, default=8)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-tokens", type=int, default=1500)
@@ -289,6 +305,19 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument(
+        "--variant",
+        dest="variants",
+        nargs="+",
+        action="append",
+        metavar=("LABEL", "KEY=VALUE"),
+        help="instead of --policies: a row named LABEL with these settings (repeatable)",
+    )
+    parser.add_argument(
+        "--redis",
+        action="store_true",
+        help="registry in a redis-server started on loopback (default: the in-process one)",
+    )
+    parser.add_argument(
         "--overhead",
         type=int,
         default=0,
@@ -299,15 +328,38 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def make_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
+    if args.workload == "burst":
+        return BurstWorkload(
+            burst_size=args.burst_size,
+            prefix_tokens=args.group_tokens,
+            suffix_tokens=args.question_tokens,
+            output_tokens_min=args.max_tokens,
+            output_tokens_max=args.max_tokens,
+        ).generate(args.requests, args.rate, args.seed)
+    return GroupsWorkload(
+        num_groups=args.groups,
+        prompts_per_group=1_000_000,
+        system_prompt_tokens=args.group_tokens,
+        question_tokens=args.question_tokens,
+        zipf_exponent=args.zipf,
+        output_tokens_min=args.max_tokens,
+        output_tokens_max=args.max_tokens,
+    ).generate(args.requests, args.rate, args.seed)
+
+
 def kv_settings(args: argparse.Namespace, block_size: int) -> list[str]:
     """Size each replica's engine cache to hold about half of the groups' prefixes, plus room
     for the requests it runs at once (their prompts and outputs live in the same cache): with
     one perfect partition of the groups every prefix stays cached, with random routing each
     replica sees every group and evicts half of them over and over."""
     prompt = args.group_tokens + args.question_tokens + 1 + args.max_tokens
-    kv_tokens = args.kv_tokens or (
-        args.groups * args.group_tokens // 2 + args.running_room * prompt
-    )
+    if args.workload == "burst":  # room for a whole burst computing its prefix at once
+        kv_tokens = args.kv_tokens or args.burst_size * prompt
+    else:
+        kv_tokens = args.kv_tokens or (
+            args.groups * args.group_tokens // 2 + args.running_room * prompt
+        )
     kv_blocks = max(1, -(-kv_tokens // block_size))
     if args.engine == "sim":
         return [f"replica.sim.kv_blocks={kv_blocks}"]
@@ -321,15 +373,7 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
     import ray
     from ray import serve
 
-    workload = GroupsWorkload(
-        num_groups=args.groups,
-        prompts_per_group=1_000_000,
-        system_prompt_tokens=args.group_tokens,
-        question_tokens=args.question_tokens,
-        zipf_exponent=args.zipf,
-        output_tokens_min=args.max_tokens,
-        output_tokens_max=args.max_tokens,
-    ).generate(args.requests, args.rate, args.seed)
+    workload = make_workload(args)
     prompts = [render(r) for r in workload]
     port = free_port()
     base = [
@@ -342,6 +386,13 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
     block_size = load_config(overrides=base).cache.block_size
     base += kv_settings(args, block_size)
     oracle = oracle_hit_rate(prompts, block_size)
+    redis = LocalRedisServer() if args.redis else None
+    if redis is not None:
+        redis.start()
+        base += ["registry.backend=redis", f"registry.redis_url={redis.url}"]
+    rows = [(label, overrides) for label, *overrides in args.variants or []] or [
+        (policy, [f"routing.policy={policy}"]) for policy in args.policies.split(",")
+    ]
     temp_dir = tempfile.mkdtemp(prefix="pmbench-", dir="/tmp")
     init_local_ray(temp_dir)
     reports: list[PolicyReport] = []
@@ -354,16 +405,19 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
             if args.json:
                 args.json.write_text(json.dumps({"engine": args.engine, **overhead}) + "\n")
             return 0
-        for policy in args.policies.split(","):
-            config = load_config(overrides=[*base, f"routing.policy={policy}"])
-            report = bench_policy(config, url, workload, prompts, args, oracle)
+        for label, overrides in rows:
+            config = load_config(overrides=[*base, *overrides])
+            report = bench_policy(label, config, url, workload, prompts, args, oracle)
             reports.append(report)
             print(json.dumps(asdict(report)), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
+        if redis is not None:
+            redis.stop()
     result = {
         "engine": args.engine,
+        "workload": args.workload,
         "replicas": args.replicas,
         "groups": args.groups,
         "group_tokens": args.group_tokens,
@@ -377,12 +431,13 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"{'policy':<12} {'ttft_mean':>9} {'ttft_p50':>9} {'ttft_p99':>9} {'hit':>6} "
-        f"{'oracle':>6} {'fail':>5}"
+        f"{'oracle':>6} {'computed':>9} {'minimum':>9} {'fail':>5}"
     )
     for r in reports:
         print(
             f"{r.policy:<12} {r.ttft_mean_s:>9.4f} {r.ttft_p50_s:>9.4f} {r.ttft_p99_s:>9.4f} "
-            f"{r.hit_rate:>6.1%} {r.oracle_hit_rate:>6.1%} {r.failures:>5}"
+            f"{r.hit_rate:>6.1%} {r.oracle_hit_rate:>6.1%} {r.computed_tokens:>9} "
+            f"{r.min_computed_tokens:>9} {r.failures:>5}"
         )
     return 0
 
