@@ -349,6 +349,10 @@ class IngressConfig(_Section):
     """Concurrent requests per ingress replica."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Upper bound on one request, streaming included."""
+    retries: int = Field(default=1, ge=0)
+    """Times a request is sent again, to another replica, after its replica died (or its
+    remote engine broke off): before the first token always, mid-generation only when not
+    streaming (nothing has reached the client yet). Application errors are never retried."""
 
 
 class RayConfig(_Section):

@@ -1,7 +1,9 @@
 """What travels between the ingress (router/) and the replicas (replica/) through Ray Serve.
 
 Both packages import this module and never each other. The request router reads a
-``GenerateRequest`` as the first argument of a replica call and may set its ``hold``.
+``GenerateRequest`` as the first argument of a replica call and sets its ``hold`` and what it
+decided (``routed_to``, ``matched_blocks``); the ingress reads those back (same object, same
+process) for retries and response headers.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ class GenerateRequest:
     """Set by the request router when it routes the request."""
     routed_by: str = ""
     """The routing decision's reason, for metrics."""
+    avoid_replicas: tuple[str, ...] = ()
+    """Replicas a retry must not go back to (they failed this request); the request router
+    ignores it when it would leave no candidate."""
+    routed_to: str = ""
+    """Set by the request router: the replica it chose, so the ingress knows which one to
+    avoid when the call fails before any output names the replica."""
+    matched_blocks: int = 0
+    """Set by the request router: leading prompt blocks the chosen replica holds (registry)."""
 
     @property
     def prompt(self) -> str:

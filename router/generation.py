@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixmesh.router.detokenize import Decode, IncrementalDetokenizer
-from prefixmesh.wire import GenerateChunk
+from prefixmesh.wire import GenerateChunk, GenerateRequest
 
 
 @dataclass
@@ -46,8 +46,12 @@ class Generation:
         stop_strings: list[str],
         on_first_token: Callable[[], None],
         on_end: Callable[[], None],
+        request: GenerateRequest | None = None,
+        started_s: float | None = None,
     ) -> None:
         self._stream = stream
+        self.request = request
+        """What was sent; the request router wrote its decision into it."""
         self._detokenizer = IncrementalDetokenizer(decode)
         self._stop = stop_strings
         self._on_first_token = on_first_token
@@ -55,7 +59,9 @@ class Generation:
         self.usage = Usage(prompt_tokens)
         self.replica_id = ""
         self.first_token_s: float | None = None
-        self._started = time.monotonic()
+        self.held_s = 0.0
+        self._started = time.monotonic() if started_s is None else started_s
+        """When the client's request started (a retry keeps the first attempt's start)."""
         self._pending: GenerateChunk | None = None
         self._ended = False
 
@@ -76,6 +82,14 @@ class Generation:
         if chunk is not None:
             self.replica_id = chunk.replica_id
             self.usage.cached_tokens = chunk.num_cached_tokens
+            self.held_s = chunk.held_s
+
+    @property
+    def routed_to(self) -> str:
+        """The replica serving this: the one that answered, else the one the router chose."""
+        if self.replica_id:
+            return self.replica_id
+        return self.request.routed_to if self.request is not None else ""
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
         try:

@@ -8,6 +8,7 @@ in-process registry mode it also receives the replicas' cache events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -31,11 +32,16 @@ from prefixmesh.router.openai_protocol import (
     CompletionRequest,
     parse_body,
 )
+from prefixmesh.router.retry import AttemptFailed, run_with_retry
 from prefixmesh.wire import GenerateRequest
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="prefixmesh", docs_url=None, redoc_url=None)
 REPLICA_HEADER = "x-prefixmesh-replica"
+RETRIES_HEADER = "x-prefixmesh-retries"
+MATCHED_BLOCKS_HEADER = "x-prefixmesh-matched-blocks"
+REPLICA_FAILED = "replica_failed"
+"""The ``code`` of the error event that ends a stream whose replica failed mid-stream."""
 
 
 def _error(exc: APIError) -> JSONResponse:
@@ -46,6 +52,26 @@ def _brief(exc: BaseException) -> str:
     """An exception as one line: Ray wraps remote errors with whole tracebacks."""
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+
+
+async def _started(generation: Generation) -> tuple[str, str] | None:
+    """A streamed response needs nothing more than its first token before it is sent."""
+    del generation
+    return None
+
+
+def _failure(request_id: str, failed: AttemptFailed) -> APIError:
+    """The HTTP error of a request that failed for good."""
+    cause = failed.cause
+    if isinstance(cause, APIError):
+        return cause
+    if failed.phase == "before_first_token":
+        logger.warning("request %s failed before its first token: %s", request_id, _brief(cause))
+        message = f"no replica could serve the request: {_brief(cause)}"
+        return APIError(503, message, error_type="server_error", code=REPLICA_FAILED)
+    logger.warning("request %s failed mid-generation: %s", request_id, _brief(cause))
+    message = f"the replica failed mid-generation: {_brief(cause)}"
+    return APIError(502, message, error_type="server_error", code=REPLICA_FAILED)
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -87,16 +113,10 @@ class IngressServer:
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
+        router = self._local.metrics
         with self._local.lock:
-            counters = self._local.counters
-            snapshot = (
-                counters.decisions,
-                counters.fallbacks,
-                counters.holds,
-                dict(counters.reasons),
-                len(self._local.ledger),
-            )
-        body = self._metrics.render(*snapshot)
+            router.ongoing.set(len(self._local.ledger))
+        body = self._metrics.render(router)
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4")
 
     # ---- generation ------------------------------------------------------------------------
@@ -163,27 +183,49 @@ class IngressServer:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         key = self._hasher.hash_tokens(ids)
         generate = GenerateRequest(request_id, tuple(ids), key.block_hashes, sampling)
-        generation = self._start(generate, body.stop_strings())
+        stop = body.stop_strings()
+        started_s = time.monotonic()
+
+        def start(avoid: tuple[str, ...], attempt: int) -> Generation:
+            request = generate
+            if attempt:  # a fresh request: no hold or decision of the failed attempt carries over
+                request = dataclasses.replace(
+                    generate, request_id=f"{request_id}-retry{attempt}", avoid_replicas=avoid
+                )
+            return self._start(request, stop, started_s)
+
+        # A stream is retried only until its first token: after that the client has output.
+        finish = _started if body.stream else self._collect
         try:
-            await generation.first()
-        except Exception as exc:
-            logger.exception("request %s failed before its first token", request_id)
-            raise APIError(
-                503, f"no replica could serve the request: {_brief(exc)}", error_type="server_error"
-            ) from None
+            done = await run_with_retry(
+                start,
+                finish,
+                retries=self.config.ingress.retries,
+                replica_of=lambda g: g.routed_to,
+                on_retry=lambda phase, exc: self._metrics.retried(phase, type(exc).__name__),
+            )
+        except AttemptFailed as failed:
+            raise _failure(request_id, failed) from None
+        generation = done.generation
         self._metrics.first_token(generation)
-        headers = {REPLICA_HEADER: generation.replica_id}
+        headers = {
+            REPLICA_HEADER: generation.replica_id,
+            RETRIES_HEADER: str(done.retries),
+            MATCHED_BLOCKS_HEADER: str(
+                generation.request.matched_blocks if generation.request else 0
+            ),
+        }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = self._stream(generation, request_id, chat, include_usage)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        text, finish = await self._collect(generation)
+        text, finish_reason = done.result or ("", "stop")
         self._metrics.finished(generation)
         return JSONResponse(
-            self._full_body(request_id, chat, text, finish, generation), headers=headers
+            self._full_body(request_id, chat, text, finish_reason, generation), headers=headers
         )
 
-    def _start(self, request: GenerateRequest, stop: list[str]) -> Generation:
+    def _start(self, request: GenerateRequest, stop: list[str], started_s: float) -> Generation:
         ledger, lock = self._local.ledger, self._local.lock
 
         def first_token() -> None:
@@ -196,13 +238,21 @@ class IngressServer:
 
         stream = self._replicas.options(stream=True).generate.remote(request)
         return Generation(
-            stream, self._decode, len(request.prompt_token_ids), stop, first_token, end
+            stream,
+            self._decode,
+            len(request.prompt_token_ids),
+            stop,
+            first_token,
+            end,
+            request=request,
+            started_s=started_s,
         )
 
     def _decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
     async def _collect(self, generation: Generation) -> tuple[str, str]:
+        """The whole output; a replica failure is raised as it is (the retry judges it)."""
         parts: list[str] = []
         finish = "stop"
         try:
@@ -210,13 +260,8 @@ class IngressServer:
                 async for delta in generation.deltas():
                     parts.append(delta.text)
                     finish = delta.finish_reason or finish
-        except Exception as exc:
-            if isinstance(exc, TimeoutError):
-                raise APIError(504, "the request timed out", error_type="server_error") from None
-            logger.exception("request failed mid-generation")
-            raise APIError(
-                502, f"the replica failed mid-generation: {_brief(exc)}", error_type="server_error"
-            ) from None
+        except TimeoutError:
+            raise APIError(504, "the request timed out", error_type="server_error") from None
         return "".join(parts), finish
 
     async def _stream(
@@ -245,9 +290,13 @@ class IngressServer:
             async for delta in generation.deltas():
                 yield _sse({**base, "choices": [self._choice_delta(delta, chat)]})
         except Exception as exc:  # the replica died mid-stream: say so, then end the stream
-            logger.exception("stream %s failed", request_id)
+            logger.warning("stream %s failed mid-stream: %s", request_id, _brief(exc))
+            self._metrics.stream_errors.inc()
             error = APIError(
-                502, f"the replica failed mid-stream: {_brief(exc)}", error_type="server_error"
+                502,
+                f"the replica failed mid-stream: {_brief(exc)}",
+                error_type="server_error",
+                code=REPLICA_FAILED,
             )
             yield _sse(error.body())
         else:

@@ -2,9 +2,10 @@
 
 Serve builds the request router itself (from a pickled class) inside the ingress replica's
 process, and runs it on its own event loop thread; the ingress cannot hand it objects. The two
-meet here, by application name: the in-process registry (single-ingress mode), the load ledger
-and the router itself (whose replicas carry their latest stats). This module is imported by
-reference in both, so it is the process-wide rendezvous; every access goes through the lock.
+meet here, by application name: the in-process registry (single-ingress mode), the load ledger,
+the router's metrics and the router itself (whose replicas carry their latest stats). This
+module is imported by reference in both, so it is the process-wide rendezvous; every access
+goes through the lock (the metrics excepted: they lock themselves).
 """
 
 from __future__ import annotations
@@ -16,23 +17,15 @@ from typing import Any
 
 from prefixmesh.cache_registry.memory import RegistryState
 from prefixmesh.router.ledger import LoadLedger
-
-
-@dataclass
-class RouterCounters:
-    decisions: int = 0
-    fallbacks: int = 0
-    """Decisions that fell back to power of two after an error."""
-    registry_timeouts: int = 0
-    holds: int = 0
-    reasons: dict[str, int] = field(default_factory=dict)
+from prefixmesh.router.metrics import RouterMetrics
 
 
 @dataclass
 class LocalRouterState:
     registry: RegistryState
     ledger: LoadLedger = field(default_factory=LoadLedger)
-    counters: RouterCounters = field(default_factory=RouterCounters)
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    """The router's Prometheus metrics (thread-safe on their own; no lock needed)."""
     stats_source: Any = None
     """The request router, whose replicas carry their latest reported stats."""
     lock: threading.Lock = field(default_factory=threading.Lock)

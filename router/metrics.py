@@ -1,16 +1,121 @@
-"""Prometheus metrics of the ingress (its own registry, so two ingresses in one process never
-collide) plus the request router's counters, rendered at scrape time."""
+"""Prometheus metrics of the ingress and of its request router, served together on ``/metrics``.
+
+Each object has its own registry (two ingresses in one process never collide). The request
+router runs on its own thread in the ingress process; it reaches its ``RouterMetrics`` through
+``local_state`` (prometheus_client's metrics are thread-safe), and the ingress renders both
+registries at scrape time.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
+    from prometheus_client.metrics import Gauge as GaugeChild
+
     from prefixmesh.router.generation import Generation
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+_HOLD_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+_BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Lookups have a deadline of a few ms: fine buckets below it, coarse ones for overruns.
+_FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
+FALLBACK_REASONS = ("error", "registry_timeout", "registry_unavailable")
+"""``error``: the decision raised and power of two chose; ``registry_*``: the registry gave no
+answer in time (or is down) and the policy routed on load alone."""
+LOAD_FIELDS = ("queued", "running", "pending_prefill_tokens")
+
+
+class RouterMetrics:
+    """What the request router decided and what it saw."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "prefixmesh_routing_decisions",
+            "Routing decisions by policy and reason",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.matched_blocks = Histogram(
+            "prefixmesh_routing_matched_blocks",
+            "Leading prompt blocks the chosen replica held, by the slowest tier needed",
+            ["tier"],
+            buckets=_BLOCK_BUCKETS,
+            registry=r,
+        )
+        self.lookup_seconds = Histogram(
+            "prefixmesh_registry_lookup_seconds",
+            "Registry lookups at routing time, by backend and outcome",
+            ["backend", "outcome"],
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "prefixmesh_routing_decision_seconds",
+            "Time of one routing decision (registry lookup included)",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.holds = Counter(
+            "prefixmesh_routing_holds", "Decisions that told the replica to hold", registry=r
+        )
+        self.fallbacks = Counter(
+            "prefixmesh_routing_fallbacks",
+            "Decisions made without the registry's answer or the policy, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in FALLBACK_REASONS:  # a zero series says "none", absence says nothing
+            self.fallbacks.labels(reason=reason)
+        self.replica_load = Gauge(
+            "prefixmesh_replica_load",
+            "Each replica's load as the router saw it at its latest decision",
+            ["replica", "field"],
+            registry=r,
+        )
+        self.ongoing = Gauge(
+            "prefixmesh_router_ongoing_requests",
+            "Requests this router has sent and not yet seen finish",
+            registry=r,
+        )
+        self._load_children: dict[str, tuple[GaugeChild, GaugeChild, GaugeChild]] = {}
+
+    def decided(
+        self, policy: str, reason: str, matched_blocks: int, tier: str, hold: bool, seconds: float
+    ) -> None:
+        self.decisions.labels(policy=policy, reason=reason).inc()
+        self.matched_blocks.labels(tier=tier).observe(matched_blocks)
+        self.decision_seconds.observe(seconds)
+        if hold:
+            self.holds.inc()
+
+    def looked_up(self, backend: str, outcome: str, seconds: float) -> None:
+        self.lookup_seconds.labels(backend=backend, outcome=outcome).observe(seconds)
+
+    def fell_back(self, reason: str) -> None:
+        self.fallbacks.labels(reason=reason).inc()
+
+    def saw_load(self, replica: str, queued: int, running: int, pending_tokens: int) -> None:
+        children = self._load_children.get(replica)
+        if children is None:  # label lookups cost a lock and a dict: once per replica
+            q, r, p = (self.replica_load.labels(replica=replica, field=f) for f in LOAD_FIELDS)
+            children = self._load_children[replica] = (q, r, p)
+        children[0].set(queued)
+        children[1].set(running)
+        children[2].set(pending_tokens)
+
+    def forget_replica(self, replica: str) -> None:
+        """A replica that left stops being reported (its last load would linger forever)."""
+        if self._load_children.pop(replica, None) is None:
+            return
+        for field in LOAD_FIELDS:
+            with contextlib.suppress(KeyError):  # another thread removed it first
+                self.replica_load.remove(replica, field)
 
 
 class IngressMetrics:
@@ -33,35 +138,42 @@ class IngressMetrics:
         self.completion_tokens = Counter(
             "prefixmesh_completion_tokens", "Generated tokens", registry=r
         )
+        self.hold_seconds = Histogram(
+            "prefixmesh_hold_seconds",
+            "Time a request waited in a delay-hit hold on its replica",
+            buckets=_HOLD_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "prefixmesh_request_retries",
+            "Requests sent again to another replica after theirs failed, by phase and error",
+            ["phase", "error"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "prefixmesh_stream_errors",
+            "Streams ended with an error event after their first token",
+            registry=r,
+        )
 
     def error(self, status: int) -> None:
         self.requests.labels(status=str(status)).inc()
+
+    def retried(self, phase: str, error: str) -> None:
+        self.retries.labels(phase=phase, error=error).inc()
 
     def first_token(self, generation: Generation) -> None:
         if generation.first_token_s is not None:
             self.ttft.observe(generation.first_token_s)
         self.prompt_tokens.inc(generation.usage.prompt_tokens)
         self.cached_tokens.inc(generation.usage.cached_tokens)
+        request = generation.request
+        if generation.held_s > 0 or (request is not None and request.hold is not None):
+            self.hold_seconds.observe(generation.held_s)
 
     def finished(self, generation: Generation) -> None:
         self.requests.labels(status="200").inc()
         self.completion_tokens.inc(generation.usage.completion_tokens)
 
-    def render(
-        self, decisions: int, fallbacks: int, holds: int, reasons: dict[str, int], ongoing: int
-    ) -> str:
-        lines = [
-            "# TYPE prefixmesh_routing_decisions_total counter",
-            *(
-                f'prefixmesh_routing_decisions_total{{reason="{k}"}} {v}'
-                for k, v in sorted(reasons.items())
-            ),
-            "# TYPE prefixmesh_routing_fallbacks_total counter",
-            f"prefixmesh_routing_fallbacks_total {fallbacks}",
-            "# TYPE prefixmesh_routing_holds_total counter",
-            f"prefixmesh_routing_holds_total {holds}",
-            "# TYPE prefixmesh_router_ongoing_requests gauge",
-            f"prefixmesh_router_ongoing_requests {ongoing}",
-        ]
-        del decisions  # the per-reason counts add up to it
-        return generate_latest(self.registry).decode() + "\n".join(lines) + "\n"
+    def render(self, router: RouterMetrics) -> str:
+        return (generate_latest(self.registry) + generate_latest(router.registry)).decode()

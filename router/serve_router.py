@@ -6,6 +6,8 @@ replicas' reported stats, raised by this router's own ledger), asks the registry
 candidate holds (within ``lookup_deadline_ms``), lets the policy decide, sets the request's hold,
 and records speculative entries and the group's traffic. Any error falls back to power of two:
 an exception inside a request router would hang the request (DESIGN.md §7), so nothing escapes.
+A retried request names the replicas that failed it (``avoid_replicas``); they are left out
+while any other candidate remains. Every decision lands in ``RouterMetrics``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from prefixmesh.cache_registry.factory import make_memory_state, make_registry
+from prefixmesh.cache_registry.hashing import FingerprintMismatchError
 from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.types import BlockHash, PrefixHit, PrefixKey, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
@@ -82,9 +85,18 @@ class PrefixmeshRequestRouter(RequestRouter):
         )
         self._deadline_s = config.registry.lookup_deadline_ms / 1000
         self._sole_router = config.ingress.num_replicas == 1
+        self._metrics = self._local.metrics
+        self._backend = config.registry.backend
         self._remote: CacheRegistry | None = None  # the Redis client, made on the router loop
         self._background: set[asyncio.Task[Any]] = set()
         self._rng = random.Random()
+        if self._backend != "memory":
+            try:
+                asyncio.get_running_loop()  # Serve builds routers on their loop: connect now
+            except RuntimeError:
+                pass  # off the loop: the first decision starts it (still without waiting)
+            else:
+                self._start_remote()
 
     # ---- Serve hooks -----------------------------------------------------------------------
 
@@ -95,12 +107,17 @@ class PrefixmeshRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        request = _generate_request(pending_request)
+        if request is not None and request.avoid_replicas:
+            # A retry: the replicas that failed it are left out, unless no other one is left.
+            avoid = set(request.avoid_replicas)
+            kept = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
+            candidate_replicas = kept or candidate_replicas
         try:
-            return await self._choose(candidate_replicas, pending_request)
+            return await self._choose(candidate_replicas, request)
         except Exception:
             logger.exception("routing failed; falling back to power of two")
-            with self._local.lock:
-                self._local.counters.fallbacks += 1
+            self._metrics.fell_back("error")
             return self._power_of_two(candidate_replicas)
 
     def _get_pending_request_matching_metadata(self, request_metadata: Any = None) -> Any:
@@ -136,6 +153,7 @@ class PrefixmeshRequestRouter(RequestRouter):
         """Drop a replica that left from the policy, the ledger and the registry."""
         try:
             self._policy.on_replica_removed(replica)
+            self._metrics.forget_replica(replica)
             with self._local.lock:
                 self._local.ledger.forget_replica(replica)
                 if self._config.registry.backend == "memory":
@@ -146,18 +164,17 @@ class PrefixmeshRequestRouter(RequestRouter):
             logger.exception("forgetting replica %s failed", replica)
 
     async def _drop_remote(self, replica: ReplicaId) -> None:
-        registry = await self._remote_registry()
-        await registry.drop_replica(replica)
+        await self._start_remote().drop_replica(replica)
 
     # ---- the decision ----------------------------------------------------------------------
 
     async def _choose(
-        self, candidates: list[RunningReplica], pending: PendingRequest | None
+        self, candidates: list[RunningReplica], request: GenerateRequest | None
     ) -> list[list[RunningReplica]]:
-        by_id = {ReplicaId(r.replica_id.unique_id): r for r in candidates}
-        request = _generate_request(pending)
         if request is None:
             return [candidates]  # other calls: Serve picks the least loaded
+        started = time.perf_counter()
+        by_id = {ReplicaId(r.replica_id.unique_id): r for r in candidates}
         key = PrefixKey(
             tuple(BlockHash(h) for h in request.block_hashes), self._config.cache.block_size
         )
@@ -168,7 +185,15 @@ class PrefixmeshRequestRouter(RequestRouter):
         view = await self._registry_view(key, list(by_id), group)
         snapshots = self._snapshots(candidates)
         decision = self._policy.route(route, snapshots, view, time.monotonic())
-        self._apply(request, route, decision, view.hits, group)
+        hit = self._apply(request, route, decision, view.hits, group)
+        self._metrics.decided(
+            self._policy.name,
+            decision.reason,
+            hit.num_blocks if hit else 0,
+            hit.deepest_tier.name.lower() if hit and hit.num_blocks else "none",
+            decision.hold is not None,
+            time.perf_counter() - started,
+        )
         ranked = [[by_id[r] for r in tier if r in by_id] for tier in decision.ranked]
         return [tier for tier in ranked if tier] or [candidates]
 
@@ -194,6 +219,7 @@ class PrefixmeshRequestRouter(RequestRouter):
                 )
             capacity = capacity_from_stats(stats, self._default_capacity)
             active_blocks = int(float(stats.get("kv_usage", 0.0)) * capacity.kv_blocks)
+            self._metrics.saw_load(replica_id, queued, running, pending)
             snapshots.append(
                 ReplicaSnapshot(replica_id, capacity, queued, running, pending, active_blocks)
             )
@@ -202,16 +228,30 @@ class PrefixmeshRequestRouter(RequestRouter):
     async def _registry_view(
         self, key: PrefixKey, replicas: list[ReplicaId], group: BlockHash | None
     ) -> RegistryView:
-        if self._config.registry.backend == "memory":
+        started = time.perf_counter()
+        if self._backend == "memory":
             with self._local.lock:
                 hits = self._local.registry.lookup(key, replicas)
                 rate = self._local.registry.rate(group) if group is not None else 0.0
+            outcome = "ok" if hits else "empty"
+            self._metrics.looked_up(self._backend, outcome, time.perf_counter() - started)
             return RegistryView(hits, rate)
-        registry = await self._remote_registry()
+        registry = self._start_remote()
+        failures = registry.stats.lookup_failures
+        available = bool(getattr(registry, "available", True))
         lookup = registry.lookup(key, replicas, deadline_s=self._deadline_s)
         if group is None:
-            return RegistryView(await lookup, 0.0)
-        hits, rate = await asyncio.gather(lookup, _bounded(registry.rate(group), self._deadline_s))
+            hits, rate = await lookup, 0.0
+        else:
+            rate_call = _bounded(registry.rate(group), self._deadline_s)
+            hits, rate = await asyncio.gather(lookup, rate_call)
+        elapsed_s = time.perf_counter() - started
+        outcome = _lookup_outcome(
+            hits, elapsed_s, self._deadline_s, available, registry.stats.lookup_failures > failures
+        )
+        self._metrics.looked_up(self._backend, outcome, elapsed_s)
+        if outcome in ("timeout", "unavailable"):
+            self._metrics.fell_back(f"registry_{outcome}")
         return RegistryView(hits, rate)
 
     def _apply(
@@ -221,40 +261,56 @@ class PrefixmeshRequestRouter(RequestRouter):
         decision: RouteDecision,
         hits: dict[ReplicaId, PrefixHit],
         group: BlockHash | None,
-    ) -> None:
+    ) -> PrefixHit | None:
+        """Write the decision into the request and the shared state; the chosen one's hit."""
         chosen = decision.chosen
         hit = hits.get(chosen)
         uncached = route.prompt_tokens - (hit.num_blocks * route.key.block_size if hit else 0)
-        if decision.hold is not None:
-            request.hold = HoldInstruction(decision.hold.num_blocks, decision.hold.max_wait_s)
+        # A decision made again for the same request (Serve retries routing) replaces the hold.
+        request.hold = (
+            HoldInstruction(decision.hold.num_blocks, decision.hold.max_wait_s)
+            if decision.hold is not None
+            else None
+        )
         request.routed_by = decision.reason
+        request.routed_to = chosen
+        request.matched_blocks = hit.num_blocks if hit else 0
         ttl_s = self._config.registry.speculative_ttl_s
         weight = self._policy.traffic_weight(route)
         with self._local.lock:
             first_time = self._local.ledger.routed(request.request_id, chosen, max(uncached, 0))
-            counters = self._local.counters
-            counters.decisions += 1
-            counters.holds += decision.hold is not None
-            counters.reasons[decision.reason] = counters.reasons.get(decision.reason, 0) + 1
-            if first_time and self._config.registry.backend == "memory":
+            if first_time and self._backend == "memory":
                 self._local.registry.add_speculative(route.key, chosen, ttl_s)
                 if group is not None:
                     self._local.registry.touch(group, weight)
         if not first_time:
-            return
+            return hit
         self._policy.on_routed(route, chosen, time.monotonic())
         if self._remote is not None:
             self._spawn(self._remote.add_speculative(route.key, chosen, ttl_s))
             if group is not None:
                 self._spawn(self._remote.touch(group, weight))
+        return hit
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    async def _remote_registry(self) -> CacheRegistry:
+    def _start_remote(self) -> CacheRegistry:
+        """The Redis client, created on first use with its ``connect`` started in the
+        background: a decision never waits for it (connect takes up to 4 op timeouts when
+        Redis is down); lookups before it has checked the fingerprint return nothing known."""
         if self._remote is None:
             self._remote = make_registry(self._config)
-            await self._remote.connect()
+            self._spawn(self._connect(self._remote))
         return self._remote
+
+    @staticmethod
+    async def _connect(registry: CacheRegistry) -> None:
+        try:
+            await registry.connect()
+        except FingerprintMismatchError:
+            logger.exception("the registry belongs to another cluster; routing without it")
+        except Exception:
+            logger.exception("registry connect failed; its calls retry on their own")
 
     def _spawn(self, coroutine: Any) -> None:
         """Run ``coroutine`` on the router's loop, from it or from another thread (Serve's
@@ -284,6 +340,24 @@ def _generate_request(pending: PendingRequest | None) -> GenerateRequest | None:
         if isinstance(value, GenerateRequest):
             return value
     return None
+
+
+def _lookup_outcome(
+    hits: dict[ReplicaId, PrefixHit],
+    elapsed_s: float,
+    deadline_s: float,
+    available: bool,
+    failed: bool,
+) -> str:
+    """``ok``, ``empty`` (the registry answered: nobody holds it), ``timeout`` (no answer by
+    the deadline) or ``unavailable`` (down, backing off, or not yet verified)."""
+    if hits:
+        return "ok"
+    if not available:
+        return "unavailable"
+    if failed:
+        return "timeout" if elapsed_s >= deadline_s * 0.9 else "unavailable"
+    return "empty"
 
 
 async def _bounded(coroutine: Any, timeout_s: float) -> float:
