@@ -364,6 +364,23 @@ class RayConfig(_Section):
     """Ray's temp/log folder for a local start (None: Ray's default)."""
 
 
+class TelemetryConfig(_Section):
+    """OpenTelemetry traces of each request: ingress -> routing decision -> replica."""
+
+    tracing: Literal["none", "otlp", "memory"] = "none"
+    """``none``: the API's no-op tracer (near zero cost); ``otlp``: export over OTLP/HTTP to
+    ``otlp_endpoint`` in batches; ``memory``: keep every finished span in the process (tests and
+    debugging: it grows without bound), read back through ``/admin/traces`` and the replicas'
+    ``exported_spans``."""
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    """OTLP/HTTP traces endpoint (a collector or Jaeger/Tempo) for ``tracing=otlp``."""
+    service_name: str = Field(default="prefixmesh", min_length=1)
+    """``service.name`` of every process's spans (each also carries ``prefixmesh.role``)."""
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    """Fraction of new traces recorded; a request that arrives with a ``traceparent`` follows
+    its caller's sampling decision instead."""
+
+
 class PrefixmeshConfig(_Section):
     model: str = "demo-tiny"
     """Model name served by the cluster; part of the cache fingerprint."""
@@ -379,6 +396,8 @@ class PrefixmeshConfig(_Section):
     """The OpenAI-compatible HTTP front door."""
     ray: RayConfig = RayConfig()
     """Where Ray runs."""
+    telemetry: TelemetryConfig = TelemetryConfig()
+    """Tracing: which exporter, where, and how much is sampled."""
     cache_dir: str = "~/.cache/prefixmesh"
     """Where generated artefacts (the demo model) are kept."""
     app_name: str = "prefixmesh"

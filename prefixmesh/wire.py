@@ -49,6 +49,11 @@ class GenerateRequest:
     avoid when the call fails before any output names the replica."""
     matched_blocks: int = 0
     """Set by the request router: leading prompt blocks the chosen replica holds (registry)."""
+    trace_context: dict[str, str] | None = None
+    """W3C trace context (``traceparent``, ``tracestate``) of the span the next hop's spans are
+    children of: the ingress sets its request span's, the request router replaces it with its
+    routing decision's, the replica parents its spans on it. It travels inside the pickled
+    handle call (Serve carries no context of its own). None when tracing is off."""
 
     @property
     def prompt(self) -> str:
