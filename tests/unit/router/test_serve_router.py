@@ -22,7 +22,8 @@ from prefixmesh.cache_registry.types import (
     Tier,
 )
 from prefixmesh.config import load_config
-from prefixmesh.router.serve_router import PrefixmeshRequestRouter, _lookup_outcome
+from prefixmesh.router.decide import _lookup_outcome
+from prefixmesh.router.serve_router import PrefixmeshRequestRouter
 from prefixmesh.wire import GenerateRequest, SamplingSettings
 
 BLOCK = 128
@@ -113,10 +114,10 @@ async def test_a_hung_registry_delays_neither_the_start_nor_the_first_decision(
         "registry.lookup_deadline_ms=5",
     )
     assert time.perf_counter() - started < 0.5  # nothing awaited (connect waits up to 1 s)
-    assert router._remote is not None  # the client exists, connecting in the background
+    assert router._core.remote is not None  # the client exists, connecting in the background
     key = PrefixKey(BLOCKS, BLOCK)
     started = time.perf_counter()
-    view = await router._registry_view(key, [ReplicaId("r1")], None)
+    view = await router._core.registry_view(key, [ReplicaId("r1")], None)
     took_s = time.perf_counter() - started
     assert view.hits == {}
     # The lookup deadline plus slack for a loaded 2-core machine, far below connect's 1 s.
@@ -125,7 +126,7 @@ async def test_a_hung_registry_delays_neither_the_start_nor_the_first_decision(
     timed_out = fallbacks.labels(reason="registry_timeout")._value.get()
     unavailable = fallbacks.labels(reason="registry_unavailable")._value.get()
     assert timed_out + unavailable == 1
-    await router._remote.close()
+    await router._core.remote.close()
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,302 @@
+"""``RoutingCore``: one router's decisions, without Ray.
+
+For a ``GenerateRequest`` and the candidate replicas (their ids and latest reported stats) it
+builds replica snapshots (the reports, raised by this router's own ledger), asks the registry
+what each candidate holds (within ``lookup_deadline_ms``), lets the policy decide, writes the
+decision into the request, and records speculative entries and the group's traffic. Ray Serve's
+request router (``serve_router.py``) wraps it; tests drive several of them against one Redis.
+
+Registry access: the in-process ``RegistryState`` of ``LocalRouterState`` (memory backend,
+under its lock), or a shared ``CacheRegistry`` client (Redis), created on first use and
+connected in the background so that no decision waits for a connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixmesh.cache_registry.factory import make_registry
+from prefixmesh.cache_registry.hashing import FingerprintMismatchError
+from prefixmesh.cache_registry.protocol import CacheRegistry
+from prefixmesh.cache_registry.types import BlockHash, PrefixHit, PrefixKey, ReplicaId
+from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.router.ledger import LedgerLoad
+from prefixmesh.router.local_state import LocalRouterState
+from prefixmesh.router.policy import make_policy
+from prefixmesh.router.policy.base import (
+    RegistryView,
+    ReplicaCapacity,
+    ReplicaSnapshot,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+)
+from prefixmesh.wire import GenerateRequest, HoldInstruction
+
+logger = logging.getLogger(__name__)
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    replica_id: ReplicaId
+    stats: Mapping[str, Any]
+    """The replica's latest ``record_routing_stats`` report ({} before the first)."""
+
+
+def capacity_from_stats(stats: Mapping[str, Any], default: ReplicaCapacity) -> ReplicaCapacity:
+    raw = stats.get("capacity") or {}
+    try:
+        return ReplicaCapacity(
+            prefill_tokens_per_s=float(
+                raw.get("prefill_tokens_per_s", default.prefill_tokens_per_s)
+            ),
+            decode_step_s=float(raw.get("decode_step_s", default.decode_step_s)),
+            max_batch_tokens=int(raw.get("max_batch_tokens", default.max_batch_tokens)),
+            kv_blocks=int(raw.get("kv_blocks", default.kv_blocks)) or default.kv_blocks,
+            tp_degree=int(raw.get("tp_degree", default.tp_degree)),
+            cpu_load_s_per_block=float(raw.get("cpu_load_s_per_block", 0.0)),
+            disk_load_s_per_block=float(raw.get("disk_load_s_per_block", 0.0)),
+        )
+    except (TypeError, ValueError):
+        return default
+
+
+class RoutingCore:
+    def __init__(
+        self,
+        config: PrefixmeshConfig,
+        local: LocalRouterState,
+        *,
+        policy: RoutingPolicy | None = None,
+        rng: random.Random | None = None,
+        registry: CacheRegistry | None = None,
+        spawn: Spawn | None = None,
+    ) -> None:
+        """``policy``: made from the config (with ``rng``) when not given. ``registry``: a
+        shared client to use as it is (tests); else one is made from the config on first use.
+        ``spawn``: runs background work (default: a task on the running loop)."""
+        self.config = config
+        self.local = local
+        self.policy: RoutingPolicy = policy or make_policy(
+            config.routing.policy,
+            config.routing,
+            rng=rng or random.Random(),
+            block_size=config.cache.block_size,
+        )
+        vllm = config.replica.vllm
+        self._default_capacity = ReplicaCapacity(
+            prefill_tokens_per_s=vllm.prefill_tokens_per_s,
+            decode_step_s=vllm.decode_step_s,
+            max_batch_tokens=vllm.max_num_batched_tokens,
+            kv_blocks=1,
+            tp_degree=vllm.tensor_parallel_size,
+        )
+        self._deadline_s = config.registry.lookup_deadline_ms / 1000
+        self._sole_router = config.ingress.num_replicas == 1
+        self.metrics = local.metrics
+        self.backend = config.registry.backend
+        self.remote: CacheRegistry | None = registry
+        """The shared registry client (Redis backend); None until first used."""
+        self._spawn = spawn or self._spawn_here
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ---- the decision ----------------------------------------------------------------------
+
+    async def decide(
+        self, request: GenerateRequest, candidates: Sequence[Candidate]
+    ) -> RouteDecision:
+        """Route ``request`` among ``candidates`` (at least one) and write the decision into it."""
+        started = time.perf_counter()
+        ids = [candidate.replica_id for candidate in candidates]
+        key = PrefixKey(
+            tuple(BlockHash(h) for h in request.block_hashes), self.config.cache.block_size
+        )
+        route = RouteRequest(
+            request.request_id, key, len(request.prompt_token_ids), request.sampling.max_tokens
+        )
+        group = self.policy.prefix_group(route)
+        view = await self.registry_view(key, ids, group)
+        snapshots = self.snapshots(candidates)
+        decision = self.policy.route(route, snapshots, view, time.monotonic())
+        hit = self._apply(request, route, decision, view.hits, group)
+        self.metrics.decided(
+            self.policy.name,
+            decision.reason,
+            hit.num_blocks if hit else 0,
+            hit.deepest_tier.name.lower() if hit and hit.num_blocks else "none",
+            decision.hold is not None,
+            time.perf_counter() - started,
+        )
+        return decision
+
+    def snapshots(self, candidates: Sequence[Candidate]) -> list[ReplicaSnapshot]:
+        with self.local.lock:
+            ledger = self.local.ledger.load()
+        snapshots = []
+        for candidate in candidates:
+            replica_id = candidate.replica_id
+            stats = candidate.stats
+            own = ledger.get(replica_id) or LedgerLoad()
+            if self._sole_router:
+                # Every request to the replicas passes through this ingress: the ledger is
+                # exact and current, while a report can be a second old (a stale report would
+                # charge a replica for requests it has finished, and push its prefix away).
+                queued, running = own.queued_requests, own.running_requests
+                pending = own.pending_prefill_tokens
+            else:  # other ingresses route too: their load is only in the (lagging) reports
+                queued = max(int(stats.get("queued_requests", 0)), own.queued_requests)
+                running = max(int(stats.get("running_requests", 0)), own.running_requests)
+                pending = max(
+                    int(stats.get("pending_prefill_tokens", 0)), own.pending_prefill_tokens
+                )
+            capacity = capacity_from_stats(stats, self._default_capacity)
+            active_blocks = int(float(stats.get("kv_usage", 0.0)) * capacity.kv_blocks)
+            self.metrics.saw_load(replica_id, queued, running, pending)
+            snapshots.append(
+                ReplicaSnapshot(replica_id, capacity, queued, running, pending, active_blocks)
+            )
+        return snapshots
+
+    async def registry_view(
+        self, key: PrefixKey, replicas: list[ReplicaId], group: BlockHash | None
+    ) -> RegistryView:
+        started = time.perf_counter()
+        if self.backend == "memory":
+            with self.local.lock:
+                hits = self.local.registry.lookup(key, replicas)
+                rate = self.local.registry.rate(group) if group is not None else 0.0
+            outcome = "ok" if hits else "empty"
+            self.metrics.looked_up(self.backend, outcome, time.perf_counter() - started)
+            return RegistryView(hits, rate)
+        registry = self.start_remote()
+        failures = registry.stats.lookup_failures
+        available = bool(getattr(registry, "available", True))
+        lookup = registry.lookup(key, replicas, deadline_s=self._deadline_s)
+        if group is None:
+            hits, rate = await lookup, 0.0
+        else:
+            rate_call = _bounded(registry.rate(group), self._deadline_s)
+            hits, rate = await asyncio.gather(lookup, rate_call)
+        elapsed_s = time.perf_counter() - started
+        outcome = _lookup_outcome(
+            hits, elapsed_s, self._deadline_s, available, registry.stats.lookup_failures > failures
+        )
+        self.metrics.looked_up(self.backend, outcome, elapsed_s)
+        if outcome in ("timeout", "unavailable"):
+            self.metrics.fell_back(f"registry_{outcome}")
+        return RegistryView(hits, rate)
+
+    def _apply(
+        self,
+        request: GenerateRequest,
+        route: RouteRequest,
+        decision: RouteDecision,
+        hits: Mapping[ReplicaId, PrefixHit],
+        group: BlockHash | None,
+    ) -> PrefixHit | None:
+        """Write the decision into the request and the shared state; the chosen one's hit."""
+        chosen = decision.chosen
+        hit = hits.get(chosen)
+        uncached = route.prompt_tokens - (hit.num_blocks * route.key.block_size if hit else 0)
+        # A decision made again for the same request (Serve retries routing) replaces the hold.
+        request.hold = (
+            HoldInstruction(decision.hold.num_blocks, decision.hold.max_wait_s)
+            if decision.hold is not None
+            else None
+        )
+        request.routed_by = decision.reason
+        request.routed_to = chosen
+        request.matched_blocks = hit.num_blocks if hit else 0
+        ttl_s = self.config.registry.speculative_ttl_s
+        weight = self.policy.traffic_weight(route)
+        with self.local.lock:
+            first_time = self.local.ledger.routed(request.request_id, chosen, max(uncached, 0))
+            if first_time and self.backend == "memory":
+                self.local.registry.add_speculative(route.key, chosen, ttl_s)
+                if group is not None:
+                    self.local.registry.touch(group, weight)
+        if not first_time:
+            return hit
+        self.policy.on_routed(route, chosen, time.monotonic())
+        if self.remote is not None:
+            self._spawn(self.remote.add_speculative(route.key, chosen, ttl_s))
+            if group is not None:
+                self._spawn(self.remote.touch(group, weight))
+        return hit
+
+    # ---- membership ------------------------------------------------------------------------
+
+    def forget(self, replica: ReplicaId) -> None:
+        """Drop a replica that left from the policy, the ledger and the registry."""
+        try:
+            self.policy.on_replica_removed(replica)
+            self.metrics.forget_replica(replica)
+            with self.local.lock:
+                self.local.ledger.forget_replica(replica)
+                if self.backend == "memory":
+                    self.local.registry.drop_replica(replica)
+            if self.backend != "memory":
+                self._spawn(self._drop_remote(replica))
+        except Exception:
+            logger.exception("forgetting replica %s failed", replica)
+
+    async def _drop_remote(self, replica: ReplicaId) -> None:
+        await self.start_remote().drop_replica(replica)
+
+    # ---- the shared registry ---------------------------------------------------------------
+
+    def start_remote(self) -> CacheRegistry:
+        """The Redis client, created on first use with its ``connect`` started in the
+        background: a decision never waits for it (connect takes up to 4 op timeouts when
+        Redis is down); lookups before it has checked the fingerprint return nothing known."""
+        if self.remote is None:
+            self.remote = make_registry(self.config)
+            self._spawn(self._connect(self.remote))
+        return self.remote
+
+    @staticmethod
+    async def _connect(registry: CacheRegistry) -> None:
+        try:
+            await registry.connect()
+        except FingerprintMismatchError:
+            logger.exception("the registry belongs to another cluster; routing without it")
+        except Exception:
+            logger.exception("registry connect failed; its calls retry on their own")
+
+    def _spawn_here(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _lookup_outcome(
+    hits: Mapping[ReplicaId, PrefixHit],
+    elapsed_s: float,
+    deadline_s: float,
+    available: bool,
+    failed: bool,
+) -> str:
+    """``ok``, ``empty`` (the registry answered: nobody holds it), ``timeout`` (no answer by
+    the deadline) or ``unavailable`` (down, backing off, or not yet verified)."""
+    if hits:
+        return "ok"
+    if not available:
+        return "unavailable"
+    if failed:
+        return "timeout" if elapsed_s >= deadline_s * 0.9 else "unavailable"
+    return "empty"
+
+
+async def _bounded(coroutine: Any, timeout_s: float) -> float:
+    try:
+        return float(await asyncio.wait_for(coroutine, timeout_s))
+    except (TimeoutError, Exception):
+        return 0.0
