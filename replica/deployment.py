@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from prefixmesh import tracing
 from prefixmesh.cache_registry.factory import make_hasher, make_registry
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
@@ -21,6 +22,7 @@ from prefixmesh.replica.coalesce import coalesced
 from prefixmesh.replica.engines.base import Engine, EngineRequest, HeldMirror
 from prefixmesh.replica.holds import InflightPrefills, combined_hold, own_hold
 from prefixmesh.replica.publisher import EventPublisher, EventTarget
+from prefixmesh.replica.spans import replica_trace
 from prefixmesh.wire import GenerateChunk, GenerateRequest, HoldInstruction
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,7 @@ class ReplicaServer:
         from ray import serve
 
         self.config = PrefixmeshConfig.model_validate_json(config_json)
+        tracing.setup(self.config.telemetry, "replica")
         context = serve.get_replica_context()
         self.replica_id = ReplicaId(context.replica_id.unique_id)
         rank = context.rank.rank if hasattr(context.rank, "rank") else int(context.rank)
@@ -157,14 +160,18 @@ class ReplicaServer:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         rid = request.request_id
         self._prefill_tokens[rid] = len(request.prompt_token_ids)
+        trace = replica_trace(request, self.replica_id)  # no-op object when tracing is off
         held_s = 0.0
         in_prefill = True
+        output_tokens = 0
+        finish_reason: str | None = None
         try:
             hold = self._hold_for(request)
             if hold is not None:
                 started = time.monotonic()
                 await self.inflight.wait(request.block_hashes, hold.num_blocks, hold.max_wait_s)
                 held_s = time.monotonic() - started
+            trace.queued(hold, held_s)
             self.inflight.started(rid, request.block_hashes, len(request.prompt_token_ids))
             engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling)
             stream = self.engine.generate(engine_request)
@@ -176,6 +183,9 @@ class ReplicaServer:
                     self.inflight.finished(rid)
                     self._prefill_tokens.pop(rid, None)
                     self._running += 1
+                    trace.first_token(chunk.num_cached_tokens)
+                output_tokens += len(chunk.token_ids)
+                finish_reason = chunk.finish_reason
                 yield GenerateChunk(
                     chunk.token_ids,
                     chunk.finished,
@@ -184,11 +194,15 @@ class ReplicaServer:
                     self.replica_id,
                     held_s,
                 )
+        except BaseException as exc:
+            trace.failed(exc)
+            raise
         finally:
             self.inflight.finished(rid)
             self._prefill_tokens.pop(rid, None)
             if not in_prefill:
                 self._running -= 1
+            trace.end(output_tokens, finish_reason)
 
     def _hold_for(self, request: GenerateRequest) -> HoldInstruction | None:
         """The hold this request waits under before it enters the engine, if any."""
@@ -225,6 +239,11 @@ class ReplicaServer:
             "reaped_replicas": self.publisher.reaped,
             "event_gaps": load.event_gaps,
         }
+
+    def exported_spans(self, clear: bool = False) -> list[dict[str, Any]]:
+        """Spans finished in this replica's process (``telemetry.tracing=memory``; else []),
+        for tests and debugging through the deployment handle."""
+        return tracing.finished_spans(clear)
 
     async def check_health(self) -> None:
         """Serve replaces a replica whose check raises: a dead engine fails every request."""

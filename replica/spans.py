@@ -1,0 +1,103 @@
+"""The spans of one request inside a replica, children of the routing decision's span.
+
+``prefixmesh.replica.generate`` covers the request's whole stay; under it ``...queue`` runs from
+arrival to the engine submit (a delay-hit hold included), ``...prefill`` from the submit to the
+first token (its end is the first-token time; it also carries a ``first_token`` event) and
+``...decode`` from the first token to the end. With tracing off ``replica_trace`` returns a
+shared object whose methods do nothing.
+"""
+
+from __future__ import annotations
+
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
+
+from prefixmesh import tracing
+from prefixmesh.wire import GenerateRequest, HoldInstruction
+
+
+class NoTrace:
+    """Tracing off (or this trace not sampled): every call is a no-op."""
+
+    __slots__ = ()
+
+    def queued(self, hold: HoldInstruction | None, held_s: float) -> None:
+        pass
+
+    def first_token(self, cached_tokens: int) -> None:
+        pass
+
+    def failed(self, exc: BaseException) -> None:
+        pass
+
+    def end(self, output_tokens: int, finish_reason: str | None) -> None:
+        pass
+
+
+NO_TRACE = NoTrace()
+
+
+class ReplicaTrace(NoTrace):
+    __slots__ = ("_phase", "_root")
+
+    def __init__(self, root: Span) -> None:
+        self._root = root
+        self._phase = self._child("prefixmesh.replica.queue")
+
+    def _child(self, name: str) -> Span:
+        return tracing.tracer().start_span(name, context=set_span_in_context(self._root))
+
+    def queued(self, hold: HoldInstruction | None, held_s: float) -> None:
+        """The request leaves the queue for the engine, after waiting ``held_s`` in ``hold``."""
+        if hold is not None:
+            attributes = {
+                "prefixmesh.hold": True,
+                "prefixmesh.hold_s": held_s,
+                "prefixmesh.hold_blocks": hold.num_blocks,
+                "prefixmesh.hold_max_wait_s": hold.max_wait_s,
+            }
+            self._phase.set_attributes(attributes)
+            self._root.set_attributes(attributes)
+        self._phase.end()
+        self._phase = self._child("prefixmesh.replica.prefill")
+
+    def first_token(self, cached_tokens: int) -> None:
+        self._phase.add_event("first_token")
+        self._phase.set_attribute("prefixmesh.cached_tokens", cached_tokens)
+        self._root.set_attribute("prefixmesh.cached_tokens", cached_tokens)
+        self._phase.end()
+        self._phase = self._child("prefixmesh.replica.decode")
+
+    def failed(self, exc: BaseException) -> None:
+        if isinstance(exc, Exception):
+            self._root.record_exception(exc)
+            self._root.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        else:  # GeneratorExit or CancelledError: the caller went away (a stop string, a client)
+            self._root.set_attribute("prefixmesh.cancelled", True)
+
+    def end(self, output_tokens: int, finish_reason: str | None) -> None:
+        self._phase.end()
+        self._root.set_attribute("prefixmesh.output_tokens", output_tokens)
+        if finish_reason is not None:
+            self._root.set_attribute("prefixmesh.finish_reason", finish_reason)
+        self._root.end()
+
+
+def replica_trace(request: GenerateRequest, replica_id: str) -> NoTrace:
+    """The trace of ``request`` on this replica, continuing its ``trace_context``."""
+    if not tracing.enabled():
+        return NO_TRACE
+    root = tracing.tracer().start_span(
+        "prefixmesh.replica.generate",
+        context=tracing.extract(request.trace_context),
+        kind=SpanKind.SERVER,
+    )
+    if not root.is_recording():  # not sampled: skip the children and attributes too
+        return NO_TRACE
+    root.set_attributes(
+        {
+            "prefixmesh.request_id": request.request_id,
+            "prefixmesh.replica": replica_id,
+            "prefixmesh.prompt_tokens": len(request.prompt_token_ids),
+        }
+    )
+    return ReplicaTrace(root)

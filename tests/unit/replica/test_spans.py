@@ -1,0 +1,151 @@
+"""The replica's spans (generate -> queue, prefill, decode) with a fake engine and the SDK's
+in-memory exporter: no Serve."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from prefixmesh import tracing
+from prefixmesh.cache_registry.types import BlockHash, ReplicaId
+from prefixmesh.config import TelemetryConfig
+from prefixmesh.replica.deployment import ReplicaServer
+from prefixmesh.replica.engines.base import EngineChunk, EngineRequest, HeldMirror
+from prefixmesh.replica.holds import InflightPrefills
+from prefixmesh.replica.spans import NO_TRACE, replica_trace
+from prefixmesh.wire import GenerateRequest, HoldInstruction, SamplingSettings
+
+R = ReplicaId("replica-a")
+BLOCKS = tuple(BlockHash(7 + i) for i in range(2))
+
+
+class _Engine:
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.fail_after = fail_after
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        for i in range(3):
+            await asyncio.sleep(0.002)
+            if self.fail_after is not None and i >= self.fail_after:
+                raise ConnectionError("engine went away")
+            last = i == 2
+            yield EngineChunk((i,), last, "length" if last else None, num_cached_tokens=128)
+
+    def capacity(self) -> dict[str, float]:
+        return {"prefill_tokens_per_s": 10_000.0}
+
+    def close(self) -> None:
+        pass
+
+
+def _server(engine: _Engine) -> ReplicaServer:
+    server = ReplicaServer.__new__(ReplicaServer)  # no Serve: only what generate touches
+    server.replica_id = R
+    server.engine = engine  # type: ignore[assignment]
+    server.inflight = InflightPrefills()
+    server._resident = HeldMirror()
+    server._holds_enabled = True
+    server._coalesce = False
+    server._hold_min_blocks = 1
+    server._prefill_tokens = {}
+    server._running = 0
+    return server
+
+
+def _request(hold: HoldInstruction | None = None) -> GenerateRequest:
+    return GenerateRequest(
+        "cmpl-1", tuple(range(2 * 128 + 3)), BLOCKS, SamplingSettings(3), hold=hold
+    )
+
+
+async def _drain(server: ReplicaServer, request: GenerateRequest) -> list[Any]:
+    return [chunk async for chunk in server.generate(request)]
+
+
+@pytest.fixture
+def memory() -> Iterator[None]:
+    tracing.reset()
+    tracing.setup(TelemetryConfig(tracing="memory"), "replica")
+    yield
+    tracing.reset()
+
+
+async def test_generate_spans_are_children_of_the_route_span(memory: None) -> None:
+    route = tracing.tracer().start_span("prefixmesh.route")
+    request = _request(HoldInstruction(num_blocks=2, max_wait_s=0.5))
+    request.trace_context = tracing.inject(route)
+    route.end()
+
+    chunks = await _drain(_server(_Engine()), request)
+
+    assert len(chunks) == 3
+    spans = {s["name"]: s for s in tracing.finished_spans()}
+    root = spans["prefixmesh.replica.generate"]
+    assert root["parent_span_id"] == spans["prefixmesh.route"]["span_id"]
+    assert root["kind"] == "SERVER"
+    for phase in ("queue", "prefill", "decode"):
+        span = spans[f"prefixmesh.replica.{phase}"]
+        assert span["parent_span_id"] == root["span_id"]
+        assert span["trace_id"] == root["trace_id"]
+    queue, prefill, decode = (
+        spans[f"prefixmesh.replica.{p}"] for p in ("queue", "prefill", "decode")
+    )
+    assert root["start_ns"] <= queue["end_ns"] <= prefill["start_ns"]
+    assert prefill["end_ns"] <= decode["start_ns"] <= decode["end_ns"] <= root["end_ns"]
+    assert [e["name"] for e in prefill["events"]] == ["first_token"]
+    assert root["attributes"] == {
+        "prefixmesh.request_id": "cmpl-1",
+        "prefixmesh.replica": "replica-a",
+        "prefixmesh.prompt_tokens": 259,
+        "prefixmesh.hold": True,
+        "prefixmesh.hold_s": pytest.approx(0.0, abs=0.05),
+        "prefixmesh.hold_blocks": 2,
+        "prefixmesh.hold_max_wait_s": 0.5,
+        "prefixmesh.cached_tokens": 128,
+        "prefixmesh.output_tokens": 3,
+        "prefixmesh.finish_reason": "length",
+    }
+    assert queue["attributes"]["prefixmesh.hold_blocks"] == 2
+
+
+async def test_a_held_request_records_the_time_it_waited(memory: None) -> None:
+    server = _server(_Engine())
+    server.inflight.started("other", BLOCKS, 256)  # another request is computing the prefix
+    request = _request(HoldInstruction(num_blocks=2, max_wait_s=0.05))
+    await _drain(server, request)
+    queue = next(s for s in tracing.finished_spans() if s["name"] == "prefixmesh.replica.queue")
+    assert queue["attributes"]["prefixmesh.hold_s"] >= 0.04  # waited out the bound
+
+
+async def test_an_engine_failure_ends_every_span_with_an_error(memory: None) -> None:
+    with pytest.raises(ConnectionError):
+        await _drain(_server(_Engine(fail_after=1)), _request())
+    spans = {s["name"]: s for s in tracing.finished_spans()}
+    assert set(spans) == {
+        "prefixmesh.replica.generate",
+        "prefixmesh.replica.queue",
+        "prefixmesh.replica.prefill",
+        "prefixmesh.replica.decode",
+    }
+    assert spans["prefixmesh.replica.generate"]["status"] == "ERROR"
+    assert spans["prefixmesh.replica.generate"]["parent_span_id"] is None  # no context sent
+
+
+async def test_a_closed_stream_is_marked_cancelled(memory: None) -> None:
+    stream = _server(_Engine()).generate(_request())
+    await stream.__anext__()
+    await stream.aclose()  # the ingress stopped reading (a stop string, a client went away)
+    root = next(s for s in tracing.finished_spans() if s["name"] == "prefixmesh.replica.generate")
+    assert root["attributes"]["prefixmesh.cancelled"] is True
+    assert root["status"] == "UNSET"
+
+
+async def test_tracing_off_costs_no_spans() -> None:
+    tracing.reset()
+    request = _request()
+    assert replica_trace(request, R) is NO_TRACE
+    assert len(await _drain(_server(_Engine()), request)) == 3
+    assert tracing.finished_spans() == []
