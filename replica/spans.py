@@ -37,10 +37,11 @@ NO_TRACE = NoTrace()
 
 
 class ReplicaTrace(NoTrace):
-    __slots__ = ("_phase", "_root")
+    __slots__ = ("_closed", "_phase", "_root")
 
     def __init__(self, root: Span) -> None:
         self._root = root
+        self._closed = False
         self._phase = self._child("prefixmesh.replica.queue")
 
     def _child(self, name: str) -> Span:
@@ -71,14 +72,17 @@ class ReplicaTrace(NoTrace):
         if isinstance(exc, Exception):
             self._root.record_exception(exc)
             self._root.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-        else:  # GeneratorExit or CancelledError: the caller went away (a stop string, a client)
-            self._root.set_attribute("prefixmesh.cancelled", True)
+        else:  # GeneratorExit or CancelledError: the caller closed the stream
+            self._closed = True
 
     def end(self, output_tokens: int, finish_reason: str | None) -> None:
         self._phase.end()
         self._root.set_attribute("prefixmesh.output_tokens", output_tokens)
         if finish_reason is not None:
             self._root.set_attribute("prefixmesh.finish_reason", finish_reason)
+        elif self._closed:  # closed before its end (a stop string, a client gone); the ingress
+            # also closes finished streams, which is no cancellation
+            self._root.set_attribute("prefixmesh.cancelled", True)
         self._root.end()
 
 

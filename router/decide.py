@@ -37,6 +37,7 @@ from prefixmesh.router.policy.base import (
     RouteRequest,
     RoutingPolicy,
 )
+from prefixmesh.router.spans import note_hit, note_lookup
 from prefixmesh.wire import GenerateRequest, HoldInstruction
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class RoutingCore:
         snapshots = self.snapshots(candidates)
         decision = self.policy.route(route, snapshots, view, time.monotonic())
         hit = self._apply(request, route, decision, view.hits, group)
+        note_hit(hit)
         self.metrics.decided(
             self.policy.name,
             decision.reason,
@@ -174,7 +176,9 @@ class RoutingCore:
                 hits = self.local.registry.lookup(key, replicas)
                 rate = self.local.registry.rate(group) if group is not None else 0.0
             outcome = "ok" if hits else "empty"
-            self.metrics.looked_up(self.backend, outcome, time.perf_counter() - started)
+            elapsed_s = time.perf_counter() - started
+            self.metrics.looked_up(self.backend, outcome, elapsed_s)
+            note_lookup(self.backend, outcome, elapsed_s)
             return RegistryView(hits, rate)
         registry = self.start_remote()
         failures = registry.stats.lookup_failures
@@ -190,6 +194,7 @@ class RoutingCore:
             hits, elapsed_s, self._deadline_s, available, registry.stats.lookup_failures > failures
         )
         self.metrics.looked_up(self.backend, outcome, elapsed_s)
+        note_lookup(self.backend, outcome, elapsed_s)
         if outcome in ("timeout", "unavailable"):
             self.metrics.fell_back(f"registry_{outcome}")
         return RegistryView(hits, rate)

@@ -13,13 +13,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
+from prefixmesh import tracing
 from prefixmesh.cache_registry.factory import make_hasher, make_memory_state
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult
 from prefixmesh.config import PrefixmeshConfig
@@ -33,6 +34,7 @@ from prefixmesh.router.openai_protocol import (
     parse_body,
 )
 from prefixmesh.router.retry import AttemptFailed, run_with_retry
+from prefixmesh.router.spans import NoRequestTrace, request_trace
 from prefixmesh.wire import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class IngressServer:
 
         self.config = PrefixmeshConfig.model_validate_json(config_json)
         config = self.config
+        tracing.setup(config.telemetry, "ingress")  # the request router shares this process
         self._replicas = replicas
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._hasher = make_hasher(config)
@@ -123,23 +126,34 @@ class IngressServer:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        arrived_ns = time.time_ns()
         try:
             body = parse_body(await request.body(), CompletionRequest)
             self._check_model(body.model)
             ids = await self._tokenize_prompt(body.prompt)
-            return await self._respond(body, ids, body.max_tokens, chat=False)
+            return await self._respond(
+                body,
+                ids,
+                body.max_tokens,
+                chat=False,
+                headers=request.headers,
+                arrived_ns=arrived_ns,
+            )
         except APIError as exc:
             self._metrics.error(exc.status)
             return _error(exc)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        arrived_ns = time.time_ns()
         try:
             body = parse_body(await request.body(), ChatCompletionRequest)
             self._check_model(body.model)
             ids = await self._tokenize_chat(body)
             max_tokens = body.max_completion_tokens or body.max_tokens
-            return await self._respond(body, ids, max_tokens, chat=True)
+            return await self._respond(
+                body, ids, max_tokens, chat=True, headers=request.headers, arrived_ns=arrived_ns
+            )
         except APIError as exc:
             self._metrics.error(exc.status)
             return _error(exc)
@@ -175,14 +189,40 @@ class IngressServer:
         return await asyncio.to_thread(render)
 
     async def _respond(
-        self, body: Any, ids: list[int], max_tokens: int | None, *, chat: bool
+        self,
+        body: Any,
+        ids: list[int],
+        max_tokens: int | None,
+        *,
+        chat: bool,
+        headers: Mapping[str, str],
+        arrived_ns: int,
+    ) -> Response:
+        """The response, inside the request's span (which a stream ends when it ends)."""
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        trace = request_trace(headers, request_id, len(ids), bool(body.stream), arrived_ns)
+        try:
+            return await self._respond_traced(body, ids, max_tokens, chat, request_id, trace)
+        except BaseException as exc:
+            trace.end(error=exc)
+            raise
+
+    async def _respond_traced(
+        self,
+        body: Any,
+        ids: list[int],
+        max_tokens: int | None,
+        chat: bool,
+        request_id: str,
+        trace: NoRequestTrace,
     ) -> Response:
         sampling = body.engine_sampling(
             len(ids), max_tokens, self._max_model_len, self._tokenizer.eos_token_id
         )
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         key = self._hasher.hash_tokens(ids)
-        generate = GenerateRequest(request_id, tuple(ids), key.block_hashes, sampling)
+        generate = GenerateRequest(
+            request_id, tuple(ids), key.block_hashes, sampling, trace_context=trace.carrier
+        )
         stop = body.stop_strings()
         started_s = time.monotonic()
 
@@ -190,9 +230,16 @@ class IngressServer:
             request = generate
             if attempt:  # a fresh request: no hold or decision of the failed attempt carries over
                 request = dataclasses.replace(
-                    generate, request_id=f"{request_id}-retry{attempt}", avoid_replicas=avoid
+                    generate,
+                    request_id=f"{request_id}-retry{attempt}",
+                    avoid_replicas=avoid,
+                    trace_context=trace.carrier,  # the router replaced the first attempt's
                 )
             return self._start(request, stop, started_s)
+
+        def retried(phase: str, exc: BaseException) -> None:
+            self._metrics.retried(phase, type(exc).__name__)
+            trace.retried(phase, exc)
 
         # A stream is retried only until its first token: after that the client has output.
         finish = _started if body.stream else self._collect
@@ -202,12 +249,13 @@ class IngressServer:
                 finish,
                 retries=self.config.ingress.retries,
                 replica_of=lambda g: g.routed_to,
-                on_retry=lambda phase, exc: self._metrics.retried(phase, type(exc).__name__),
+                on_retry=retried,
             )
         except AttemptFailed as failed:
             raise _failure(request_id, failed) from None
         generation = done.generation
         self._metrics.first_token(generation)
+        trace.answered(generation, done.retries)
         headers = {
             REPLICA_HEADER: generation.replica_id,
             RETRIES_HEADER: str(done.retries),
@@ -217,10 +265,11 @@ class IngressServer:
         }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(generation, request_id, chat, include_usage)
+            stream = self._stream(generation, request_id, chat, include_usage, trace)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         text, finish_reason = done.result or ("", "stop")
         self._metrics.finished(generation)
+        trace.end(generation)
         return JSONResponse(
             self._full_body(request_id, chat, text, finish_reason, generation), headers=headers
         )
@@ -265,7 +314,12 @@ class IngressServer:
         return "".join(parts), finish
 
     async def _stream(
-        self, generation: Generation, request_id: str, chat: bool, include_usage: bool
+        self,
+        generation: Generation,
+        request_id: str,
+        chat: bool,
+        include_usage: bool,
+        trace: NoRequestTrace,
     ) -> AsyncIterator[bytes]:
         base = {
             "id": request_id,
@@ -298,11 +352,14 @@ class IngressServer:
                 error_type="server_error",
                 code=REPLICA_FAILED,
             )
+            trace.end(generation, error)
             yield _sse(error.body())
         else:
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": generation.usage.as_dict()})
             self._metrics.finished(generation)
+        finally:
+            trace.end(generation)  # a client gone mid-stream ends it here (idempotent)
         yield _sse("[DONE]")
 
     @staticmethod
@@ -352,6 +409,12 @@ class IngressServer:
         with self._local.lock:
             replicas = sorted(self._local.registry.sequences)
         return {"backend": "memory", "replicas": replicas}
+
+    @api.get("/admin/traces")
+    async def traces(self) -> list[dict[str, Any]]:
+        """Spans finished in this process, the ingress's and its request router's
+        (``telemetry.tracing=memory``; else []); a replica's come from its ``exported_spans``."""
+        return tracing.finished_spans()
 
     @api.get("/admin/replicas")
     async def replica_stats(self) -> list[dict[str, Any]]:

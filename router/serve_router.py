@@ -23,6 +23,7 @@ from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.router.decide import Candidate, RoutingCore
 from prefixmesh.router.local_state import LocalRouterState, local_state
+from prefixmesh.router.spans import route_span
 from prefixmesh.wire import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -112,9 +113,11 @@ class PrefixmeshRequestRouter(RequestRouter):
         if request is None:
             return [candidates]  # other calls: Serve picks the least loaded
         by_id = {ReplicaId(r.replica_id.unique_id): r for r in candidates}
-        decision = await self._core.decide(
-            request, [Candidate(rid, r.routing_stats or {}) for rid, r in by_id.items()]
-        )
+        with route_span(request) as span:  # a no-op when tracing is off
+            decision = await self._core.decide(
+                request, [Candidate(rid, r.routing_stats or {}) for rid, r in by_id.items()]
+            )
+            span.decided(self._core.policy.name, decision, request)
         ranked = [[by_id[r] for r in tier if r in by_id] for tier in decision.ranked]
         return [tier for tier in ranked if tier] or [candidates]
 

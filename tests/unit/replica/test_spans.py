@@ -50,6 +50,9 @@ def _server(engine: _Engine) -> ReplicaServer:
     server._holds_enabled = True
     server._coalesce = False
     server._hold_min_blocks = 1
+    server._arrival_grace_s = 0.0
+    server._releases = set()
+    server._registry = None
     server._prefill_tokens = {}
     server._running = 0
     return server

@@ -1,0 +1,224 @@
+"""The spans of one request in the ingress process: ``prefixmesh.request`` (arrival to the last
+byte) and, under it, one ``prefixmesh.route`` per routing decision.
+
+The trace context rides in ``GenerateRequest.trace_context``: the ingress puts its request
+span's there, each routing decision replaces it with its own (the replica's spans become the
+decision's children) and keeps the request span's under ``ORIGIN``, so that a decision made
+again for the same request (Serve re-routes when a replica refuses it) is a sibling of the
+first, not its child. With tracing off the factories return shared objects that do nothing
+and nothing else runs (no attribute dicts are built).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from prefixmesh import tracing
+from prefixmesh.cache_registry.types import PrefixHit
+from prefixmesh.router.policy.base import RouteDecision
+from prefixmesh.wire import GenerateRequest
+
+ORIGIN = "prefixmesh-origin"
+"""Key in ``trace_context`` holding the ingress request span's ``traceparent``."""
+_TRACEPARENT = "traceparent"
+
+# ---- the ingress's request span ------------------------------------------------------------
+
+
+class NoRequestTrace:
+    """Tracing off: every call is a no-op and ``carrier`` is None."""
+
+    __slots__ = ()
+    carrier: dict[str, str] | None = None
+
+    def retried(self, phase: str, exc: BaseException) -> None:
+        pass
+
+    def answered(self, generation: Any, retries: int) -> None:
+        pass
+
+    def end(self, generation: Any = None, error: BaseException | None = None) -> None:
+        pass
+
+
+NO_REQUEST_TRACE = NoRequestTrace()
+
+
+class RequestTrace(NoRequestTrace):
+    __slots__ = ("_ended", "_span", "carrier")
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+        self._ended = False
+        self.carrier = tracing.inject(span)
+        """For ``GenerateRequest.trace_context`` (every attempt starts from it)."""
+
+    def retried(self, phase: str, exc: BaseException) -> None:
+        self._span.add_event("retry", {"phase": phase, "error": type(exc).__name__})
+
+    def answered(self, generation: Any, retries: int) -> None:
+        """The first token is in (``generation``: ``router.generation.Generation``)."""
+        if not self._span.is_recording():
+            return
+        request = generation.request
+        self._span.set_attributes(
+            {
+                "prefixmesh.retries": retries,
+                "prefixmesh.replica": generation.replica_id,
+                "prefixmesh.matched_blocks": request.matched_blocks if request else 0,
+                "prefixmesh.routed_by": request.routed_by if request else "",
+                "prefixmesh.cached_tokens": generation.usage.cached_tokens,
+                "prefixmesh.hold_s": generation.held_s,
+                "prefixmesh.ttft_s": generation.first_token_s or 0.0,
+            }
+        )
+
+    def end(self, generation: Any = None, error: BaseException | None = None) -> None:
+        """The response is complete (or failed with ``error``); idempotent."""
+        if self._ended:
+            return
+        self._ended = True
+        if generation is not None and self._span.is_recording():
+            self._span.set_attribute(
+                "prefixmesh.completion_tokens", generation.usage.completion_tokens
+            )
+        if error is not None:
+            status = getattr(error, "status", None)
+            if status is not None:
+                self._span.set_attribute("http.response.status_code", int(status))
+            self._span.record_exception(error)
+            self._span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+        self._span.end()
+
+
+def request_trace(
+    headers: Mapping[str, str], request_id: str, prompt_tokens: int, stream: bool, start_ns: int
+) -> NoRequestTrace:
+    """The request span, from ``start_ns`` (arrival, wall clock), continuing a client's
+    ``traceparent`` header if it sent one."""
+    if not tracing.enabled():
+        return NO_REQUEST_TRACE
+    span = tracing.tracer().start_span(
+        "prefixmesh.request",
+        context=tracing.extract(headers),
+        kind=SpanKind.SERVER,
+        start_time=start_ns,
+    )
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "prefixmesh.request_id": request_id,
+                "prefixmesh.prompt_tokens": prompt_tokens,
+                "prefixmesh.stream": stream,
+            }
+        )
+    return RequestTrace(span)
+
+
+# ---- the routing decision's span -----------------------------------------------------------
+
+
+class NoRouteTrace:
+    __slots__ = ()
+
+    def decided(self, policy: str, decision: RouteDecision, request: GenerateRequest) -> None:
+        pass
+
+
+NO_ROUTE_TRACE = NoRouteTrace()
+
+
+class RouteTrace(NoRouteTrace):
+    __slots__ = ("_span",)
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+
+    def decided(self, policy: str, decision: RouteDecision, request: GenerateRequest) -> None:
+        """Record the decision (after ``RoutingCore.decide`` wrote it into ``request``)."""
+        if not self._span.is_recording():
+            return
+        attributes: dict[str, Any] = {
+            "prefixmesh.policy": policy,
+            "prefixmesh.reason": decision.reason,
+            "prefixmesh.replica": decision.chosen,
+            "prefixmesh.matched_blocks": request.matched_blocks,
+            "prefixmesh.hold": decision.hold is not None,
+        }
+        if decision.hold is not None:
+            attributes["prefixmesh.hold_blocks"] = decision.hold.num_blocks
+            attributes["prefixmesh.hold_max_wait_s"] = decision.hold.max_wait_s
+        self._span.set_attributes(attributes)
+
+
+def route_span(request: GenerateRequest | None) -> AbstractContextManager[NoRouteTrace]:
+    """Around one routing decision for ``request``: the ``prefixmesh.route`` span, current
+    while it runs (``note_lookup`` and ``note_hit`` find it), its context handed on to the
+    replica on success. An exception is recorded with ``prefixmesh.fallback_reason=error``."""
+    if request is None or request.trace_context is None or not tracing.enabled():
+        return nullcontext(NO_ROUTE_TRACE)
+    return _route_span(request, request.trace_context)
+
+
+@contextmanager
+def _route_span(request: GenerateRequest, carrier: dict[str, str]) -> Iterator[NoRouteTrace]:
+    origin = carrier.get(ORIGIN) or carrier.get(_TRACEPARENT, "")
+    span = tracing.tracer().start_span(
+        "prefixmesh.route", context=tracing.extract({_TRACEPARENT: origin})
+    )
+    if span.is_recording():
+        span.set_attribute("prefixmesh.request_id", request.request_id)
+        if ORIGIN in carrier:  # this request was routed before: Serve is routing it again
+            span.set_attribute("prefixmesh.rerouted", True)
+        if request.avoid_replicas:  # an ingress retry
+            span.set_attribute("prefixmesh.avoid_replicas", list(request.avoid_replicas))
+    started = time.perf_counter()
+    with trace.use_span(span, end_on_exit=True):
+        try:
+            yield RouteTrace(span)
+        except Exception:  # the router falls back to power of two (not on a cancellation)
+            span.set_attribute("prefixmesh.fallback_reason", "error")
+            raise
+        finally:
+            span.set_attribute("prefixmesh.decision_ms", (time.perf_counter() - started) * 1e3)
+        request.trace_context = {**tracing.inject(span), ORIGIN: origin}
+
+
+def note_lookup(backend: str, outcome: str, elapsed_s: float) -> None:
+    """The registry lookup of the decision in progress (``ok``, ``empty``, ``timeout``,
+    ``unavailable``); a timeout or an unavailable registry is the decision's fallback reason."""
+    if not tracing.enabled():
+        return
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    attributes: dict[str, Any] = {
+        "prefixmesh.registry_backend": backend,
+        "prefixmesh.registry_outcome": outcome,
+        "prefixmesh.registry_lookup_ms": elapsed_s * 1e3,
+    }
+    if outcome in ("timeout", "unavailable"):
+        attributes["prefixmesh.fallback_reason"] = f"registry_{outcome}"
+    span.set_attributes(attributes)
+
+
+def note_hit(hit: PrefixHit | None) -> None:
+    """The chosen replica's registry hit: its blocks and the deepest tier they need."""
+    if not tracing.enabled():
+        return
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    tier = hit.deepest_tier.name if hit is not None and hit.num_blocks else "NONE"
+    span.set_attributes(
+        {
+            "prefixmesh.tier": tier,
+            "prefixmesh.speculative_blocks": hit.num_speculative if hit is not None else 0,
+        }
+    )

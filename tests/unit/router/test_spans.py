@@ -1,0 +1,242 @@
+"""Spans at the ingress and routing seams, with fake replicas, the in-process registry and the
+SDK's in-memory exporter: no Ray cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from prefixmesh import tracing
+from prefixmesh.config import TelemetryConfig
+from prefixmesh.router.openai_protocol import APIError
+from prefixmesh.router.spans import (
+    NO_REQUEST_TRACE,
+    ORIGIN,
+    note_lookup,
+    request_trace,
+    route_span,
+)
+from prefixmesh.wire import GenerateRequest
+from tests.unit.router.test_serve_router import (
+    BLOCKS,
+    fake_replica,
+    hold_prefix,
+    make_router,
+    pending,
+    request_for,
+)
+
+CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+
+
+@pytest.fixture
+def memory() -> Iterator[None]:
+    tracing.reset()
+    tracing.setup(TelemetryConfig(tracing="memory"), "ingress")
+    yield
+    tracing.reset()
+
+
+def spans_named(name: str) -> list[dict[str, Any]]:
+    return [s for s in tracing.finished_spans() if s["name"] == name]
+
+
+def traced_request(blocks: Any = BLOCKS) -> tuple[GenerateRequest, Any]:
+    """A request as the ingress sends it: its trace context is the request span's."""
+    trace = request_trace({}, "cmpl-1", len(blocks) * 128 + 5, False, 0)
+    request = request_for(blocks)
+    request.trace_context = trace.carrier
+    return request, trace
+
+
+# ---- ingress -------------------------------------------------------------------------------
+
+
+def _generation(request: GenerateRequest) -> Any:
+    return SimpleNamespace(
+        request=request,
+        replica_id="r2",
+        usage=SimpleNamespace(cached_tokens=256, completion_tokens=7),
+        held_s=0.25,
+        first_token_s=0.5,
+    )
+
+
+def test_the_request_span_continues_a_client_traceparent(memory: None) -> None:
+    headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "host": "x"}
+    trace = request_trace(headers, "cmpl-1", 300, True, 1_000)
+    assert trace.carrier is not None and CLIENT_TRACE in trace.carrier["traceparent"]
+    request = request_for(BLOCKS)
+    request.routed_by, request.matched_blocks = "affinity", 4
+    trace.retried("before_first_token", ConnectionError())
+    trace.answered(_generation(request), retries=1)
+    trace.end(_generation(request))
+    trace.end()  # idempotent: a stream's finally ends it again
+
+    (span,) = spans_named("prefixmesh.request")
+    assert (span["trace_id"], span["parent_span_id"]) == (CLIENT_TRACE, CLIENT_SPAN)
+    assert span["kind"] == "SERVER" and span["start_ns"] == 1_000
+    assert span["attributes"] == {
+        "prefixmesh.request_id": "cmpl-1",
+        "prefixmesh.prompt_tokens": 300,
+        "prefixmesh.stream": True,
+        "prefixmesh.retries": 1,
+        "prefixmesh.replica": "r2",
+        "prefixmesh.matched_blocks": 4,
+        "prefixmesh.routed_by": "affinity",
+        "prefixmesh.cached_tokens": 256,
+        "prefixmesh.hold_s": 0.25,
+        "prefixmesh.ttft_s": 0.5,
+        "prefixmesh.completion_tokens": 7,
+    }
+    assert [e["name"] for e in span["events"]] == ["retry"]
+
+
+def test_a_failed_request_span_carries_the_error_and_status(memory: None) -> None:
+    trace = request_trace({}, "cmpl-1", 10, False, 0)
+    trace.end(error=APIError(503, "no replica", error_type="server_error"))
+    (span,) = spans_named("prefixmesh.request")
+    assert span["status"] == "ERROR" and span["parent_span_id"] is None
+    assert span["attributes"]["http.response.status_code"] == 503
+
+
+def test_tracing_off_is_the_shared_no_op() -> None:
+    tracing.reset()
+    assert request_trace({}, "cmpl-1", 10, False, 0) is NO_REQUEST_TRACE
+    assert NO_REQUEST_TRACE.carrier is None
+
+
+# ---- routing decision ----------------------------------------------------------------------
+
+
+async def test_route_span_attributes(memory: None) -> None:
+    router = make_router()
+    hold_prefix(router, "r2")
+    request, trace = traced_request()
+    ingress_context = dict(request.trace_context or {})
+    await router.choose_replicas([fake_replica("r1"), fake_replica("r2")], pending(request))
+    trace.end()
+
+    (route,) = spans_named("prefixmesh.route")
+    (parent,) = spans_named("prefixmesh.request")
+    assert route["parent_span_id"] == parent["span_id"]
+    assert route["trace_id"] == parent["trace_id"]
+    attributes = route["attributes"]
+    assert attributes["prefixmesh.policy"] == "prefixmesh"
+    assert attributes["prefixmesh.replica"] == "r2"
+    assert attributes["prefixmesh.matched_blocks"] == len(BLOCKS)
+    assert attributes["prefixmesh.tier"] == "GPU"
+    assert attributes["prefixmesh.reason"] == request.routed_by != ""
+    assert attributes["prefixmesh.registry_outcome"] == "ok"
+    assert attributes["prefixmesh.registry_lookup_ms"] >= 0
+    assert "prefixmesh.fallback_reason" not in attributes
+    assert attributes["prefixmesh.hold"] is False
+    # The replica's spans become the decision's children; the ingress's is kept for re-routing.
+    assert request.trace_context is not None
+    assert route["span_id"] in request.trace_context["traceparent"]
+    assert request.trace_context[ORIGIN] == ingress_context["traceparent"]
+
+
+async def test_a_cold_prefix_has_no_tier(memory: None) -> None:
+    router = make_router()
+    request, _ = traced_request()
+    await router.choose_replicas([fake_replica("r1")], pending(request))
+    (route,) = spans_named("prefixmesh.route")
+    assert route["attributes"]["prefixmesh.tier"] == "NONE"
+    assert route["attributes"]["prefixmesh.matched_blocks"] == 0
+    assert route["attributes"]["prefixmesh.registry_outcome"] == "empty"
+
+
+async def test_a_second_decision_for_a_request_is_a_sibling_of_the_first(memory: None) -> None:
+    router = make_router()
+    request, _ = traced_request()
+    replicas = [fake_replica("r1"), fake_replica("r2")]
+    await router.choose_replicas(replicas, pending(request))
+    await router.choose_replicas(replicas, pending(request))  # Serve routes it again
+    first, second = spans_named("prefixmesh.route")
+    assert first["parent_span_id"] == second["parent_span_id"]
+    assert second["attributes"]["prefixmesh.rerouted"] is True
+    assert "prefixmesh.rerouted" not in first["attributes"]
+
+
+async def test_a_routing_error_is_recorded_as_the_fallback(memory: None) -> None:
+    router = make_router()
+
+    async def broken(*_: Any) -> Any:
+        raise RuntimeError("policy bug")
+
+    router._core.decide = broken  # type: ignore[method-assign]
+    request, _ = traced_request()
+    before = dict(request.trace_context or {})
+    ranked = await router.choose_replicas([fake_replica("r1")], pending(request))
+    assert ranked[0][0].replica_id.unique_id == "r1"  # power of two
+    (route,) = spans_named("prefixmesh.route")
+    assert route["status"] == "ERROR"
+    assert route["attributes"]["prefixmesh.fallback_reason"] == "error"
+    assert request.trace_context == before  # the replica's spans hang off the request span
+
+
+async def test_a_retry_names_the_replicas_it_avoids(memory: None) -> None:
+    router = make_router()
+    request, _ = traced_request()
+    request.avoid_replicas = ("r1",)
+    await router.choose_replicas([fake_replica("r1"), fake_replica("r2")], pending(request))
+    (route,) = spans_named("prefixmesh.route")
+    assert route["attributes"]["prefixmesh.avoid_replicas"] == ("r1",)
+    assert route["attributes"]["prefixmesh.replica"] == "r2"
+
+
+def test_a_registry_timeout_is_the_decision_fallback_reason(memory: None) -> None:
+    request, _ = traced_request()
+    with route_span(request):
+        note_lookup("redis", "timeout", 0.006)
+    (route,) = spans_named("prefixmesh.route")
+    assert route["attributes"]["prefixmesh.fallback_reason"] == "registry_timeout"
+    assert route["attributes"]["prefixmesh.registry_lookup_ms"] == pytest.approx(6.0)
+
+
+@pytest.fixture
+async def silent_server() -> AsyncIterator[int]:
+    """A TCP server that accepts connections and never answers: a hung Redis."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    yield int(server.sockets[0].getsockname()[1])
+    for writer in held:
+        writer.close()
+    server.close()
+
+
+async def test_a_hung_registry_shows_as_a_registry_fallback(
+    memory: None, silent_server: int
+) -> None:
+    router = make_router(
+        "registry.backend=redis", f"registry.redis_url=redis://127.0.0.1:{silent_server}/0"
+    )
+    request, _ = traced_request()
+    await router.choose_replicas([fake_replica("r1"), fake_replica("r2")], pending(request))
+    (route,) = spans_named("prefixmesh.route")
+    assert route["attributes"]["prefixmesh.fallback_reason"] in (
+        "registry_timeout",
+        "registry_unavailable",
+    )
+    assert route["attributes"]["prefixmesh.registry_backend"] == "redis"
+    assert router._core.remote is not None
+    await router._core.remote.close()
+
+
+async def test_tracing_off_leaves_the_request_alone() -> None:
+    tracing.reset()
+    router = make_router()
+    request = request_for(BLOCKS)
+    await router.choose_replicas([fake_replica("r1")], pending(request))
+    assert request.trace_context is None
+    assert tracing.finished_spans() == []
