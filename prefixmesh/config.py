@@ -139,6 +139,13 @@ class PrefixmeshPolicyConfig(_Section):
     """Hold only when at least this many tokens of the prefix are in flight (Strata: 100)."""
     hold_wait_factor: float = Field(default=2.0, gt=0)
     """Bound on a hold, as a multiple of the in-flight prefix's expected prefill time."""
+    hold_claims: bool = True
+    """Claim a cold long prefix in the registry when sending it to be computed (one bounded
+    round trip): a sibling routed meanwhile by any ingress, before the speculative entry is
+    visible, is held on the claimant instead of computing the prefix again elsewhere."""
+    hold_arrival_grace_s: float = Field(default=0.05, ge=0)
+    """A replica holds a router-held request that arrives before the request computing its
+    prefix (nothing orders two ingresses' calls) this long for that one to start."""
     overload_wait_s: float = Field(default=3.0, ge=0)
     """Per-candidate guard: a replica whose estimated queue wait exceeds the least-loaded
     candidate's by more than this is skipped, whatever it holds."""

@@ -41,6 +41,10 @@ class GenerateRequest:
     """Set by the request router when it routes the request."""
     routed_by: str = ""
     """The routing decision's reason, for metrics."""
+    claim: int | None = None
+    """Set by the request router: the prefix (a block hash) it claimed in the registry as in
+    flight on the chosen replica, which releases it at the request's first chunk (delay-hit
+    holds across routers: siblings routed meanwhile, from any ingress, wait there)."""
     avoid_replicas: tuple[str, ...] = ()
     """Replicas a retry must not go back to (they failed this request); the request router
     ignores it when it would leave no candidate."""

@@ -7,6 +7,7 @@ reports its load for routing (``record_routing_stats``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -16,7 +17,7 @@ from typing import Any
 
 from prefixmesh import tracing
 from prefixmesh.cache_registry.factory import make_hasher, make_registry
-from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
+from prefixmesh.cache_registry.types import BlockHash, CacheEvent, PublishResult, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.replica.coalesce import coalesced
 from prefixmesh.replica.engines.base import Engine, EngineRequest, HeldMirror
@@ -110,6 +111,11 @@ def _no_gpu() -> bool:
 class ReplicaServer:
     """The body of the Serve deployment (``prefixmesh.app`` wraps it with @serve.deployment)."""
 
+    # Defaults for servers built without __init__ (unit tests): no grace, no registry to
+    # release claims in.
+    _arrival_grace_s = 0.0
+    _registry: Any = None
+
     async def __init__(self, config_json: str, model_path: str, ingress_name: str) -> None:
         from ray import serve
 
@@ -133,6 +139,8 @@ class ReplicaServer:
         self._holds_enabled = policy.holds_enabled
         self._coalesce = self.config.replica.coalesce_stream
         self._hold_min_blocks = max(1, policy.hold_min_tokens // self.config.cache.block_size)
+        self._arrival_grace_s = policy.hold_arrival_grace_s
+        self._releases: set[asyncio.Task[Any]] = set()
         self.engine = make_engine(self.config, model_path, rank, self._on_changes)
         registry = self.config.registry
         self.publisher = EventPublisher(
@@ -169,7 +177,11 @@ class ReplicaServer:
             hold = self._hold_for(request)
             if hold is not None:
                 started = time.monotonic()
-                await self.inflight.wait(request.block_hashes, hold.num_blocks, hold.max_wait_s)
+                # Only a router's hold may arrive before the request it waits for.
+                grace_s = self._arrival_grace_s if request.hold is not None else 0.0
+                await self.inflight.wait(
+                    request.block_hashes, hold.num_blocks, hold.max_wait_s, grace_s
+                )
                 held_s = time.monotonic() - started
             trace.queued(hold, held_s)
             self.inflight.started(rid, request.block_hashes, len(request.prompt_token_ids))
@@ -181,6 +193,7 @@ class ReplicaServer:
                 if in_prefill:
                     in_prefill = False
                     self.inflight.finished(rid)
+                    self._release_claim(request)
                     self._prefill_tokens.pop(rid, None)
                     self._running += 1
                     trace.first_token(chunk.num_cached_tokens)
@@ -202,7 +215,25 @@ class ReplicaServer:
             self._prefill_tokens.pop(rid, None)
             if not in_prefill:
                 self._running -= 1
+            else:
+                self._release_claim(request)  # ended before computing the prefix
             trace.end(output_tokens, finish_reason)
+
+    def _release_claim(self, request: GenerateRequest) -> None:
+        """Free the prefix the router claimed for this request: its blocks are stored now
+        (the speculative entry covers them until their event lands), so siblings stop being
+        held for it. In the background: the first chunk never waits on Redis. In memory mode
+        the ingress's ledger releases it."""
+        if request.claim is None or self._registry is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a stream finalised off the loop: the claim's TTL ends it
+            return
+        release = self._registry.release_inflight(BlockHash(request.claim), self.replica_id)
+        task = loop.create_task(release)
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def _hold_for(self, request: GenerateRequest) -> HoldInstruction | None:
         """The hold this request waits under before it enters the engine, if any."""

@@ -5,11 +5,16 @@ the request enters the engine, the replica checks its own table of requests in p
 of them covers the first ``hold.num_blocks`` blocks, the request waits until that one's prefill
 finishes (its first token: the blocks are stored), at most ``hold.max_wait_s``; then it runs and
 hits the cache instead of computing the same blocks again in the same batch.
+
+A router's hold can arrive before the request it waits for (two ingresses, two handle calls:
+nothing orders them), so a held request that finds no covering prefill waits a short arrival
+grace for one to start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 
 from prefixmesh.cache_registry.types import BlockHash
@@ -39,6 +44,8 @@ def shared_blocks(a: tuple[BlockHash, ...], b: tuple[BlockHash, ...]) -> int:
 class InflightPrefills:
     def __init__(self) -> None:
         self._prefills: dict[str, _Prefill] = {}
+        self._arrival = asyncio.Event()
+        """Set (then replaced) whenever a prefill starts: wakes requests in their grace."""
         self.holds = 0
         self.hold_timeouts = 0
 
@@ -46,6 +53,8 @@ class InflightPrefills:
         self, request_id: str, block_hashes: tuple[BlockHash, ...], prompt_tokens: int = 0
     ) -> None:
         self._prefills[request_id] = _Prefill(block_hashes, prompt_tokens)
+        arrival, self._arrival = self._arrival, asyncio.Event()
+        arrival.set()
 
     def finished(self, request_id: str) -> None:
         """The request's prefill is done (first token), or it ended without one."""
@@ -76,15 +85,30 @@ class InflightPrefills:
         return best
 
     async def wait(
-        self, block_hashes: tuple[BlockHash, ...], num_blocks: int, max_wait_s: float
+        self,
+        block_hashes: tuple[BlockHash, ...],
+        num_blocks: int,
+        max_wait_s: float,
+        arrival_grace_s: float = 0.0,
     ) -> bool:
-        """Wait while another request computes these blocks here; True if it had to wait."""
+        """Wait while another request computes these blocks here; True if it had to wait.
+
+        With no such request here yet, wait up to ``arrival_grace_s`` (within ``max_wait_s``)
+        for one to start first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max_wait_s
         prefill = self.covering(block_hashes, num_blocks)
+        if prefill is None and arrival_grace_s > 0:
+            grace_end = loop.time() + min(arrival_grace_s, max_wait_s)
+            while prefill is None and (left := grace_end - loop.time()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrival.wait(), left)
+                prefill = self.covering(block_hashes, num_blocks)
         if prefill is None:
             return False
         self.holds += 1
         try:
-            await asyncio.wait_for(prefill.done.wait(), max_wait_s)
+            await asyncio.wait_for(prefill.done.wait(), max(0.0, deadline - loop.time()))
         except TimeoutError:
             self.hold_timeouts += 1
         return True

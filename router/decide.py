@@ -3,8 +3,10 @@
 For a ``GenerateRequest`` and the candidate replicas (their ids and latest reported stats) it
 builds replica snapshots (the reports, raised by this router's own ledger), asks the registry
 what each candidate holds (within ``lookup_deadline_ms``), lets the policy decide, writes the
-decision into the request, and records speculative entries and the group's traffic. Ray Serve's
-request router (``serve_router.py``) wraps it; tests drive several of them against one Redis.
+decision into the request, and records speculative entries and the group's traffic. A decision
+that sends a cold long prefix to be computed also claims it in the registry, or is held on the
+replica that claimed it first (``claims.py``). Ray Serve's request router (``serve_router.py``)
+wraps it; tests drive several of them against one Redis.
 
 Registry access: the in-process ``RegistryState`` of ``LocalRouterState`` (memory backend,
 under its lock), or a shared ``CacheRegistry`` client (Redis), created on first use and
@@ -14,6 +16,7 @@ connected in the background so that no decision waits for a connect.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -26,10 +29,12 @@ from prefixmesh.cache_registry.hashing import FingerprintMismatchError
 from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.types import BlockHash, PrefixHit, PrefixKey, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.router.claims import ClaimSettings, bound_s, claim_prefix, held_on
 from prefixmesh.router.ledger import LedgerLoad
 from prefixmesh.router.local_state import LocalRouterState
 from prefixmesh.router.policy import make_policy
 from prefixmesh.router.policy.base import (
+    Hold,
     RegistryView,
     ReplicaCapacity,
     ReplicaSnapshot,
@@ -37,7 +42,6 @@ from prefixmesh.router.policy.base import (
     RouteRequest,
     RoutingPolicy,
 )
-from prefixmesh.router.spans import note_hit, note_lookup
 from prefixmesh.wire import GenerateRequest, HoldInstruction
 
 logger = logging.getLogger(__name__)
@@ -108,6 +112,12 @@ class RoutingCore:
         """The shared registry client (Redis backend); None until first used."""
         self._spawn = spawn or self._spawn_here
         self._background: set[asyncio.Task[Any]] = set()
+        self._claims = ClaimSettings.from_config(config)
+        if self.backend == "memory":
+            # Nothing else reaches the in-process registry: the ingress's first-token call on
+            # the ledger releases a request's claim.
+            with local.lock:
+                local.ledger.release_claim = local.registry.release_inflight
 
     # ---- the decision ----------------------------------------------------------------------
 
@@ -124,11 +134,18 @@ class RoutingCore:
             request.request_id, key, len(request.prompt_token_ids), request.sampling.max_tokens
         )
         group = self.policy.prefix_group(route)
-        view = await self.registry_view(key, ids, group)
+        view, outcome = await self._view(key, ids, group)
         snapshots = self.snapshots(candidates)
         decision = self.policy.route(route, snapshots, view, time.monotonic())
-        hit = self._apply(request, route, decision, view.hits, group)
-        note_hit(hit)
+        claim = None
+        with self.local.lock:
+            first_time = self.local.ledger.replica_of(request.request_id) is None
+        # A registry that missed its deadline would miss this one too: no claim then.
+        if first_time and outcome in ("ok", "empty"):
+            prefix = claim_prefix(self._claims, route, decision, view.hits)
+            if prefix is not None:
+                decision, claim = await self._claim(prefix, route, decision, snapshots)
+        hit = await self._apply(request, route, decision, view.hits, group, claim)
         self.metrics.decided(
             self.policy.name,
             decision.reason,
@@ -138,6 +155,44 @@ class RoutingCore:
             time.perf_counter() - started,
         )
         return decision
+
+    async def _claim(
+        self,
+        prefix: BlockHash,
+        route: RouteRequest,
+        decision: RouteDecision,
+        snapshots: Sequence[ReplicaSnapshot],
+    ) -> tuple[RouteDecision, BlockHash | None]:
+        """Claim ``prefix`` for the chosen replica: the decision and the claim it carries, or
+        the decision turned into a hold on the replica that claimed the prefix first."""
+        chosen = decision.chosen
+        by_id = {snapshot.replica_id: snapshot for snapshot in snapshots}
+        ttl_s = bound_s(self._claims, by_id[chosen], route.prompt_tokens)
+        holder = await self._claim_inflight(prefix, chosen, ttl_s)
+        if holder == chosen:
+            return decision, prefix
+        snapshot = by_id.get(holder) if holder is not None else None
+        if holder is None or snapshot is None:
+            return decision, None  # no answer, or a holder we may not use (avoided, gone)
+        hold = Hold(self._claims.claim_blocks, bound_s(self._claims, snapshot, route.prompt_tokens))
+        return held_on(decision, holder, hold), None
+
+    async def _claim_inflight(
+        self, prefix: BlockHash, replica: ReplicaId, ttl_s: float
+    ) -> ReplicaId | None:
+        """The claim's holder after the attempt; None if the registry could not answer."""
+        if self.backend == "memory":
+            with self.local.lock:
+                return self.local.registry.claim_inflight(prefix, replica, ttl_s)
+        registry = self.start_remote()
+        try:
+            return await asyncio.wait_for(
+                registry.claim_inflight(prefix, replica, ttl_s), self._deadline_s
+            )
+        except TimeoutError:
+            # The claim may have landed: carry it (releasing a claim we do not hold is a
+            # no-op), and compute as if no one else were.
+            return replica
 
     def snapshots(self, candidates: Sequence[Candidate]) -> list[ReplicaSnapshot]:
         with self.local.lock:
@@ -170,6 +225,12 @@ class RoutingCore:
     async def registry_view(
         self, key: PrefixKey, replicas: list[ReplicaId], group: BlockHash | None
     ) -> RegistryView:
+        return (await self._view(key, replicas, group))[0]
+
+    async def _view(
+        self, key: PrefixKey, replicas: list[ReplicaId], group: BlockHash | None
+    ) -> tuple[RegistryView, str]:
+        """What the registry says, and the lookup's outcome (see ``_lookup_outcome``)."""
         started = time.perf_counter()
         if self.backend == "memory":
             with self.local.lock:
@@ -178,8 +239,7 @@ class RoutingCore:
             outcome = "ok" if hits else "empty"
             elapsed_s = time.perf_counter() - started
             self.metrics.looked_up(self.backend, outcome, elapsed_s)
-            note_lookup(self.backend, outcome, elapsed_s)
-            return RegistryView(hits, rate)
+            return RegistryView(hits, rate), outcome
         registry = self.start_remote()
         failures = registry.stats.lookup_failures
         available = bool(getattr(registry, "available", True))
@@ -194,23 +254,27 @@ class RoutingCore:
             hits, elapsed_s, self._deadline_s, available, registry.stats.lookup_failures > failures
         )
         self.metrics.looked_up(self.backend, outcome, elapsed_s)
-        note_lookup(self.backend, outcome, elapsed_s)
         if outcome in ("timeout", "unavailable"):
             self.metrics.fell_back(f"registry_{outcome}")
-        return RegistryView(hits, rate)
+        return RegistryView(hits, rate), outcome
 
-    def _apply(
+    async def _apply(
         self,
         request: GenerateRequest,
         route: RouteRequest,
         decision: RouteDecision,
         hits: Mapping[ReplicaId, PrefixHit],
         group: BlockHash | None,
+        claim: BlockHash | None,
     ) -> PrefixHit | None:
         """Write the decision into the request and the shared state; the chosen one's hit."""
         chosen = decision.chosen
         hit = hits.get(chosen)
-        uncached = route.prompt_tokens - (hit.num_blocks * route.key.block_size if hit else 0)
+        # Blocks the replica will not compute: those it holds, or those a hold waits for.
+        covered = max(
+            hit.num_blocks if hit else 0, decision.hold.num_blocks if decision.hold else 0
+        )
+        uncached = route.prompt_tokens - covered * route.key.block_size
         # A decision made again for the same request (Serve retries routing) replaces the hold.
         request.hold = (
             HoldInstruction(decision.hold.num_blocks, decision.hold.max_wait_s)
@@ -220,10 +284,13 @@ class RoutingCore:
         request.routed_by = decision.reason
         request.routed_to = chosen
         request.matched_blocks = hit.num_blocks if hit else 0
+        request.claim = claim
         ttl_s = self.config.registry.speculative_ttl_s
         weight = self.policy.traffic_weight(route)
         with self.local.lock:
-            first_time = self.local.ledger.routed(request.request_id, chosen, max(uncached, 0))
+            first_time = self.local.ledger.routed(
+                request.request_id, chosen, max(uncached, 0), claim
+            )
             if first_time and self.backend == "memory":
                 self.local.registry.add_speculative(route.key, chosen, ttl_s)
                 if group is not None:
@@ -232,7 +299,14 @@ class RoutingCore:
             return hit
         self.policy.on_routed(route, chosen, time.monotonic())
         if self.remote is not None:
-            self._spawn(self.remote.add_speculative(route.key, chosen, ttl_s))
+            speculative = self.remote.add_speculative(route.key, chosen, ttl_s)
+            if claim is not None:
+                # A claimed prefix: siblings that come after the claim is released must find
+                # it here, so the entry is written before the request leaves (bounded).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(speculative, self._deadline_s)
+            else:
+                self._spawn(speculative)
             if group is not None:
                 self._spawn(self.remote.touch(group, weight))
         return hit

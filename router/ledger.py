@@ -5,13 +5,20 @@ Replicas report their load only every ``routing_stats_period_s``; between report
 routed on stale numbers would pile onto one replica. The ledger counts every routing decision at
 once (queued, pending prefill tokens), moves a request to running at its first token and drops
 it at its end. Pure; the caller serialises access.
+
+It also carries the in-flight claim a decision took for its replica (delay-hit holds across
+routers): in the in-process registry mode nobody else can release it, so the request's first
+token (or its end) hands it to ``release_claim``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.cache_registry.types import BlockHash, ReplicaId
+
+ReleaseClaim = Callable[[BlockHash, ReplicaId], object]
 
 
 @dataclass(slots=True)
@@ -19,6 +26,7 @@ class _Routed:
     replica: ReplicaId
     prefill_tokens: int
     running: bool = False
+    claim: BlockHash | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,23 +37,46 @@ class LedgerLoad:
 
 
 class LoadLedger:
-    def __init__(self) -> None:
+    def __init__(self, release_claim: ReleaseClaim | None = None) -> None:
         self._requests: dict[str, _Routed] = {}
+        self.release_claim = release_claim
+        """Called (under the caller's lock) with a request's claim at its first token or end;
+        None: claims are released elsewhere (by the replica, in Redis mode)."""
 
-    def routed(self, request_id: str, replica: ReplicaId, prefill_tokens: int) -> bool:
+    def routed(
+        self,
+        request_id: str,
+        replica: ReplicaId,
+        prefill_tokens: int,
+        claim: BlockHash | None = None,
+    ) -> bool:
         """Record a decision; a retried decision for the same request moves it. True if new."""
-        new = request_id not in self._requests
-        self._requests[request_id] = _Routed(replica, prefill_tokens)
-        return new
+        old = self._requests.get(request_id)
+        if old is not None:
+            if old.replica == replica and claim is None:
+                claim = old.claim  # routed again to the same replica: it still computes
+            elif old.claim != claim:
+                self._release(old)  # moved: the old replica will not compute it
+        self._requests[request_id] = _Routed(replica, prefill_tokens, claim=claim)
+        return old is None
 
     def first_token(self, request_id: str) -> None:
         routed = self._requests.get(request_id)
         if routed is not None:
             routed.running = True
             routed.prefill_tokens = 0
+            self._release(routed)
 
     def finished(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        routed = self._requests.pop(request_id, None)
+        if routed is not None:
+            self._release(routed)
+
+    def _release(self, routed: _Routed) -> None:
+        # The prefix is stored (first token) or never will be by this request (it ended).
+        if routed.claim is not None and self.release_claim is not None:
+            self.release_claim(routed.claim, routed.replica)
+        routed.claim = None
 
     def replica_of(self, request_id: str) -> ReplicaId | None:
         routed = self._requests.get(request_id)

@@ -104,3 +104,32 @@ def test_the_resident_mirror_counts_the_held_head_of_a_chain() -> None:
     assert mirror.leading(LONG) == 1  # only the engine tier counts
     mirror.apply([BlockChange(EventKind.CLEARED, None)])
     assert mirror.leading(LONG) == 0
+
+
+async def test_a_hold_waits_briefly_for_the_computing_request_to_arrive() -> None:
+    # Two ingresses: the held sibling's call can reach the replica before the computing one's.
+    inflight = InflightPrefills()
+    waiter = asyncio.create_task(inflight.wait(SIBLING, 4, max_wait_s=5, arrival_grace_s=1.0))
+    await asyncio.sleep(0.02)
+    inflight.started("other", OTHER)  # another prompt starting does not end the grace
+    await asyncio.sleep(0.02)
+    assert not waiter.done()
+    inflight.started("a", LONG)
+    await asyncio.sleep(0.02)
+    assert not waiter.done()  # now waiting for a's prefill itself
+    inflight.finished("a")
+    assert await asyncio.wait_for(waiter, 1) is True
+    assert (inflight.holds, inflight.hold_timeouts) == (1, 0)
+
+
+async def test_the_arrival_grace_is_bounded() -> None:
+    inflight = InflightPrefills()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await inflight.wait(SIBLING, 4, max_wait_s=5, arrival_grace_s=0.05) is False
+    assert 0.04 <= loop.time() - started < 0.5
+    # The grace never outlasts the hold's own bound, and the bound covers the grace.
+    started = loop.time()
+    assert await inflight.wait(SIBLING, 4, max_wait_s=0.02, arrival_grace_s=1.0) is False
+    assert loop.time() - started < 0.5
+    assert (inflight.holds, inflight.hold_timeouts) == (0, 0)

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.cache_registry.types import BlockHash, ReplicaId
 from prefixmesh.router.ledger import LedgerLoad, LoadLedger
 
 A, B = ReplicaId("a"), ReplicaId("b")
@@ -37,3 +37,30 @@ def test_unknown_ids_and_dead_replicas() -> None:
     ledger.forget_replica(A)
     assert ledger.load() == {B: LedgerLoad(1, 0, 10)}
     assert ledger.replica_of("r1") is None
+
+
+def test_a_claim_is_released_once_at_the_first_token_or_the_end() -> None:
+    released: list[tuple[int, str]] = []
+    ledger = LoadLedger(lambda prefix, replica: released.append((prefix, replica)))
+    ledger.routed("r1", A, 300, claim=BlockHash(7))
+    ledger.routed("r2", B, 300, claim=BlockHash(8))
+    ledger.routed("r3", B, 300)
+    ledger.first_token("r1")
+    assert released == [(7, A)]
+    ledger.finished("r1")
+    ledger.finished("r2")  # ended without a first token: released all the same
+    ledger.finished("r3")
+    assert released == [(7, A), (8, B)]
+
+
+def test_a_claim_follows_a_retried_decision() -> None:
+    released: list[tuple[int, str]] = []
+    ledger = LoadLedger(lambda prefix, replica: released.append((prefix, replica)))
+    ledger.routed("r1", A, 300, claim=BlockHash(7))
+    ledger.routed("r1", A, 300)  # the same replica again: the claim stays
+    assert released == []
+    ledger.routed("r1", B, 300)  # moved: A will not compute it
+    assert released == [(7, A)]
+    ledger.finished("r1")
+    assert released == [(7, A)]
+    ledger.forget_replica(B)

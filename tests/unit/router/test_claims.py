@@ -1,0 +1,103 @@
+"""In-flight claims in ``RoutingCore`` with the in-process registry and no Ray: a cold long prefix
+is claimed for the replica sent to compute it; a decision that finds another replica's claim is
+held there; the ingress's first token (the ledger) releases the claim."""
+
+from __future__ import annotations
+
+import uuid
+
+from prefixmesh.cache_registry.factory import make_hasher, make_memory_state
+from prefixmesh.cache_registry.types import BlockHash, CacheEvent, EventKind, ReplicaId, Tier
+from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.router.claims import CLAIM_REASON
+from prefixmesh.router.decide import Candidate, RoutingCore
+from prefixmesh.router.local_state import LocalRouterState
+from prefixmesh.wire import GenerateRequest, SamplingSettings
+
+REPLICAS = [ReplicaId(f"r{i}") for i in range(4)]
+DOCUMENT = list(range(1000, 1000 + 12 * 128))  # 12 blocks: far above hold_min_tokens
+HEAD_BLOCKS = 2  # group_tokens 256 / block_size 128
+
+
+def config(*overrides: str) -> PrefixmeshConfig:
+    return load_config(overrides=[f"app_name=claims-{uuid.uuid4().hex[:8]}", *overrides])
+
+
+def core_on(state: LocalRouterState, *overrides: str) -> RoutingCore:
+    return RoutingCore(config(*overrides), state)
+
+
+def fresh_state() -> LocalRouterState:
+    return LocalRouterState(make_memory_state(config()))
+
+
+def request(question: int, tokens: list[int] = DOCUMENT) -> GenerateRequest:
+    ids = [*tokens, 7, question, 7, question]
+    key = make_hasher(config()).hash_tokens(ids)
+    return GenerateRequest(
+        f"cmpl-{uuid.uuid4().hex}", tuple(ids), key.block_hashes, SamplingSettings(8)
+    )
+
+
+def candidates(*names: ReplicaId) -> list[Candidate]:
+    return [Candidate(r, {}) for r in names or REPLICAS]
+
+
+async def test_a_cold_long_prefix_is_claimed_for_its_replica() -> None:
+    state = fresh_state()
+    core = core_on(state)
+    first = request(1)
+    decision = await core.decide(first, candidates())
+    head = BlockHash(first.block_hashes[HEAD_BLOCKS - 1])
+    assert decision.hold is None
+    assert first.claim == head
+    assert state.registry.live_claim(head) is not None
+    assert state.registry.live_claim(head)[0] == decision.chosen  # type: ignore[index]
+    # The ingress sees the first token: the ledger releases the claim.
+    with state.lock:
+        state.ledger.first_token(first.request_id)
+    assert state.registry.live_claim(head) is None
+
+
+async def test_another_replicas_claim_turns_the_decision_into_a_hold_there() -> None:
+    state = fresh_state()
+    core = core_on(state)
+    sibling = request(2)
+    head = BlockHash(sibling.block_hashes[HEAD_BLOCKS - 1])
+    # Another router claimed the head for r3 and its speculative entry is not visible yet.
+    state.registry.claim_inflight(head, REPLICAS[3], 5.0)
+    decision = await core.decide(sibling, candidates())
+    assert decision.chosen == REPLICAS[3]
+    assert decision.reason == CLAIM_REASON == sibling.routed_by
+    assert sibling.hold is not None and sibling.hold.num_blocks == HEAD_BLOCKS
+    assert 0 < sibling.hold.max_wait_s < 5.0
+    assert sibling.claim is None  # the held request computes nothing worth claiming
+    assert len(decision.ranked) > 1  # the other candidates stay as fallbacks
+
+
+async def test_a_claim_by_a_replica_that_is_not_a_candidate_is_ignored() -> None:
+    state = fresh_state()
+    core = core_on(state)
+    sibling = request(3)
+    head = BlockHash(sibling.block_hashes[HEAD_BLOCKS - 1])
+    state.registry.claim_inflight(head, ReplicaId("gone"), 5.0)
+    decision = await core.decide(sibling, candidates())
+    assert decision.hold is None and decision.reason != CLAIM_REASON
+    assert sibling.claim is None
+
+
+async def test_no_claim_for_a_warm_prefix_a_short_prompt_or_when_disabled() -> None:
+    state = fresh_state()
+    core = core_on(state)
+    warm = request(4)
+    stored = CacheEvent(EventKind.STORED, REPLICAS[1], 0, 0, Tier.GPU, warm.block_hashes[:12])
+    state.registry.publish([stored])
+    await core.decide(warm, candidates())
+    assert warm.routed_to == REPLICAS[1] and warm.claim is None
+    short = request(5, tokens=list(range(200)))  # one block: below hold_min_tokens
+    await core.decide(short, candidates())
+    assert short.claim is None
+    off = core_on(fresh_state(), "routing.prefixmesh.hold_claims=false")
+    cold = request(6, tokens=[t + 1 for t in DOCUMENT])
+    await off.decide(cold, candidates())
+    assert cold.claim is None
