@@ -42,6 +42,7 @@ from prefixmesh.router.policy.base import (
     RouteRequest,
     RoutingPolicy,
 )
+from prefixmesh.router.spans import note_hit, note_lookup
 from prefixmesh.wire import GenerateRequest, HoldInstruction
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class RoutingCore:
             if prefix is not None:
                 decision, claim = await self._claim(prefix, route, decision, snapshots)
         hit = await self._apply(request, route, decision, view.hits, group, claim)
+        note_hit(hit)
         self.metrics.decided(
             self.policy.name,
             decision.reason,
@@ -239,6 +241,7 @@ class RoutingCore:
             outcome = "ok" if hits else "empty"
             elapsed_s = time.perf_counter() - started
             self.metrics.looked_up(self.backend, outcome, elapsed_s)
+            note_lookup(self.backend, outcome, elapsed_s)
             return RegistryView(hits, rate), outcome
         registry = self.start_remote()
         failures = registry.stats.lookup_failures
@@ -254,6 +257,7 @@ class RoutingCore:
             hits, elapsed_s, self._deadline_s, available, registry.stats.lookup_failures > failures
         )
         self.metrics.looked_up(self.backend, outcome, elapsed_s)
+        note_lookup(self.backend, outcome, elapsed_s)
         if outcome in ("timeout", "unavailable"):
             self.metrics.fell_back(f"registry_{outcome}")
         return RegistryView(hits, rate), outcome
