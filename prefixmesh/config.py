@@ -166,9 +166,12 @@ class PrefixmeshPolicyConfig(_Section):
     affinity_rate_half_life_s: float = Field(default=30.0, gt=0)
     """Half-life of the registry's group counters (keep equal to
     registry.hotness_half_life_s): the policy divides out their warm-up bias with it."""
-    affinity_warmup_max_boost: float = Field(default=4.0, ge=1)
+    affinity_warmup_max_boost: float = Field(default=16.0, ge=1)
     """Most a young group's rate is scaled up for the counter's warm-up (1 = no correction);
-    4 trusts a counter from 0.4 half-lives on."""
+    16 trusts a counter from 0.09 half-lives (2.8 s at 30 s) on. Measured on blog (a hot
+    prompt from the first second): 4 sizes it for only a quarter of its traffic for the whole
+    11 s run (mean TTFT 47.3 ms; 45.0 at 8, 42.4 at 16); 32 gives some groups of the groups workload
+    a second member on a few requests' evidence (mean +2.5%)."""
     ring_vnodes: int = Field(default=160, ge=1)
     """Points per replica on the affinity ring (uhashring's default): enough for an even share
     of groups per replica at 64 replicas, cheap to rebuild when the fleet changes."""

@@ -62,6 +62,10 @@ capacity changes slowly, and a full pass over the fleet per decision would cost 
 _RUNNING_COST_STEP = 0.01
 """Relative change of the learned running cost (``DecodeCost``) that the estimate follows."""
 
+_GROUP_PROMPTS = 2
+"""Recent prompts kept per hot group: its shared prefix is what the next one has in common
+with all of them."""
+
 _replica_id = attrgetter("replica_id")
 
 InFlight = tuple[tuple[BlockHash, ...], int, float]
@@ -122,6 +126,8 @@ class PrefixmeshPolicy:
             else None
         )
         self._memory_size = config.hold_memory
+        self._group_prompts: dict[BlockHash, deque[tuple[BlockHash, ...]]] = {}
+        """Per hot group, its last prompts' block hashes (what ``_credit`` compares with)."""
         self._in_flight: dict[ReplicaId, deque[InFlight]] = {}
         """Per replica, the last prompts it was sent to compute (at least ``hold_min_tokens``):
         what a sibling's hold there waits for, and when it should be ready."""
@@ -190,7 +196,7 @@ class PrefixmeshPolicy:
             if abs(learned - self.model.running_cost) > _RUNNING_COST_STEP * learned:
                 self.model.running_cost = learned
         members = self._members(request, replicas, view, now_s)
-        credit = None if members is None else self._credit(view.hits, members)
+        credit = None if members is None else self._credit(request, view.hits, members)
         estimates = self.model.estimate(request, replicas, view.hits, price, credit)
         backlog_s = estimates.least_backlog_s
         self._fleet_backlog_s = backlog_s if backlog_s == backlog_s else 0.0  # NaN: forget
@@ -339,22 +345,39 @@ class PrefixmeshPolicy:
         return ring.member_positions(group, k)
 
     def _credit(
-        self, hits: Mapping[ReplicaId, PrefixHit], members: tuple[int, ...]
+        self, request: RouteRequest, hits: Mapping[ReplicaId, PrefixHit], members: tuple[int, ...]
     ) -> tuple[tuple[int, ...], int] | None:
         """Credit every member with the group's shared prefix: the longest run of blocks some
-        replica holds confirmed, if it covers the group's head (None: nothing to credit).
+        replica holds confirmed, but no deeper than this prompt shares with the group's last
+        prompts (None: nothing to credit).
 
         The group's rate bought it k replicas; a member that has no copy yet gets one from the
         next request sent there, which is therefore not charged for computing it: members
         compete on load, as in the survey's affinity groups, and a hot prefix spreads before
         its holders queue up instead of after (a greedy TTFT estimate only copies a prefix
-        once its holders are slower than a full recompute)."""
-        shared = 0
+        once its holders are slower than a full recompute). Only what the group's prompts
+        share is credited: a run one replica holds deeper than that is this prompt's own
+        history (a conversation, Mooncake's sessions), which other members would recompute."""
+        longest = 0
         for hit in hits.values():
             confirmed = hit.num_blocks - hit.num_speculative
-            if confirmed > shared:
-                shared = confirmed
-        if shared < self._group_blocks:
+            if confirmed > longest:
+                longest = confirmed
+        group_blocks = self._group_blocks
+        hashes = request.key.block_hashes
+        group = hashes[group_blocks - 1]
+        recent = self._group_prompts.get(group)
+        if recent is None:
+            recent = self._group_prompts[group] = deque(maxlen=_GROUP_PROMPTS)
+            if len(self._group_prompts) > self.config.affinity_max_groups:
+                del self._group_prompts[next(iter(self._group_prompts))]
+        shared = longest
+        for other in recent:
+            common = _common_blocks(hashes, other, shared)
+            if common < shared:
+                shared = common
+        recent.append(hashes)
+        if len(recent) < 2 or shared < group_blocks:
             return None
         return members, shared
 
@@ -529,3 +552,16 @@ class PrefixmeshPolicy:
         """Forget what it was computing; the ring follows the candidate list at the next
         hot-group decision."""
         self._in_flight.pop(replica, None)
+
+
+def _common_blocks(a: tuple[BlockHash, ...], b: tuple[BlockHash, ...], limit: int) -> int:
+    """Leading blocks two prompts share, up to ``limit``. Block hashes chain (each covers its
+    whole prefix), so block i is equal iff every block before it is: a binary search."""
+    low, high = 0, min(len(a), len(b), limit)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[middle - 1] == b[middle - 1]:
+            low = middle
+        else:
+            high = middle - 1
+    return low

@@ -236,3 +236,28 @@ def test_groups_and_their_traffic_weight() -> None:
     assert pm.traffic_weight(req) == pytest.approx(0.008 + decode_s)
     other = request(*range(10), output=64, request_id="other")
     assert pm.traffic_weight(other) == pytest.approx(0.032 + decode_s)  # beyond the head
+
+
+def test_members_are_credited_only_with_what_the_group_s_prompts_share() -> None:
+    # A hot group (k = 2); replica x, not a member, holds this prompt's own 20-block history
+    # beyond the group head (a conversation). The members share only the head with it, so they
+    # are not credited with x's history: x is 20 ms busier, but recomputing 80 tokens on an
+    # idle member would take 80 ms more.
+    members = ring_members(NAMES, 2)
+    holder = next(n for n in NAMES if n not in members)
+    pm = prefixmesh()
+    replicas = [snap(n, pending=20 if n == holder else 0) for n in NAMES]
+    for n in range(2):  # the group's earlier prompts: the head, then their own questions
+        pm.route(group_request(100 + n), replicas, view(group_rate=1.0), 0.0)
+    conversation = request(*GROUP_HEAD, *range(50, 72), request_id="turn-2")
+    history = {holder: hit(gpu=22)}
+    decision = pm.route(conversation, replicas, view(group_rate=1.0, **history), 0.0)
+    assert str(decision.chosen) == holder
+    # A prompt the group's prompts share in full (a shared document) credits the members, who
+    # then compete on load: the idle members win over the busier holder.
+    shared = prefixmesh()
+    document = [request(*GROUP_HEAD, *range(50, 72), 90 + n, request_id=f"d{n}") for n in range(3)]
+    for earlier in document[:2]:
+        shared.route(earlier, replicas, view(group_rate=1.0, **history), 0.0)
+    decision = shared.route(document[2], replicas, view(group_rate=1.0, **history), 0.0)
+    assert str(decision.chosen) in members
