@@ -44,7 +44,7 @@ class _Engine:
 def _server(engine: _Engine) -> ReplicaServer:
     server = ReplicaServer.__new__(ReplicaServer)  # no Serve: only what generate touches
     server.replica_id = R
-    server.engine = engine  # type: ignore[assignment]
+    server.engine = engine
     server.inflight = InflightPrefills()
     server._resident = HeldMirror()
     server._holds_enabled = True

@@ -170,7 +170,7 @@ async def test_a_routing_error_is_recorded_as_the_fallback(memory: None) -> None
     async def broken(*_: Any) -> Any:
         raise RuntimeError("policy bug")
 
-    router._core.decide = broken  # type: ignore[method-assign]
+    router._core.decide = broken
     request, _ = traced_request()
     before = dict(request.trace_context or {})
     ranked = await router.choose_replicas([fake_replica("r1")], pending(request))
