@@ -8,7 +8,6 @@ in-process registry mode it also receives the replicas' cache events.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -33,7 +32,7 @@ from prefixmesh.router.openai_protocol import (
     CompletionRequest,
     parse_body,
 )
-from prefixmesh.router.retry import AttemptFailed, run_with_retry
+from prefixmesh.router.retry import AttemptFailed, retry_request, run_with_retry
 from prefixmesh.router.spans import NoRequestTrace, request_trace
 from prefixmesh.wire import GenerateRequest
 
@@ -227,14 +226,11 @@ class IngressServer:
         started_s = time.monotonic()
 
         def start(avoid: tuple[str, ...], attempt: int) -> Generation:
-            request = generate
-            if attempt:  # a fresh request: no hold or decision of the failed attempt carries over
-                request = dataclasses.replace(
-                    generate,
-                    request_id=f"{request_id}-retry{attempt}",
-                    avoid_replicas=avoid,
-                    trace_context=trace.carrier,  # the router replaced the first attempt's
-                )
+            # A retry is a fresh request: no hold or decision of the failed attempt carries
+            # over, and its trace context is the request span's again (the router replaced it).
+            request = (
+                retry_request(generate, attempt, avoid, trace.carrier) if attempt else generate
+            )
             return self._start(request, stop, started_s)
 
         def retried(phase: str, exc: BaseException) -> None:

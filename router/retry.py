@@ -10,6 +10,7 @@ would fail the same way and double the load.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from typing import Generic, Protocol, TypeVar
 
 import ray.exceptions as ray_errors
 from ray.serve.exceptions import ReplicaUnavailableError
+
+from prefixmesh.wire import GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,28 @@ def is_retryable(exc: BaseException) -> bool:
         cause = getattr(exc, "cause", None)
         return cause is not None and _transport_failure(cause)
     return False
+
+
+def retry_request(
+    original: GenerateRequest,
+    attempt: int,
+    avoid: tuple[str, ...],
+    trace_context: dict[str, str] | None,
+) -> GenerateRequest:
+    """The request to send again: a new id, the replicas to avoid, and nothing the request
+    router wrote into the failed attempt (it writes its decision into the request: a hold or a
+    claim there would bind the retry to the failed replica's prefill)."""
+    return dataclasses.replace(
+        original,
+        request_id=f"{original.request_id}-retry{attempt}",
+        avoid_replicas=avoid,
+        hold=None,
+        routed_by="",
+        claim=None,
+        routed_to="",
+        matched_blocks=0,
+        trace_context=trace_context,
+    )
 
 
 class Startable(Protocol):

@@ -6,7 +6,8 @@ import httpx
 import pytest
 import ray.exceptions as ray_errors
 
-from prefixmesh.router.retry import AttemptFailed, is_retryable, run_with_retry
+from prefixmesh.router.retry import AttemptFailed, is_retryable, retry_request, run_with_retry
+from prefixmesh.wire import GenerateRequest, HoldInstruction, SamplingSettings
 
 
 class FakeGeneration:
@@ -165,3 +166,22 @@ async def test_an_unknown_replica_is_not_added_to_the_avoid_list() -> None:
 )
 def test_which_failures_are_retryable(error: BaseException, retryable: bool) -> None:
     assert is_retryable(error) is retryable
+
+
+def test_a_retry_request_carries_nothing_the_router_wrote_into_the_failed_attempt() -> None:
+    # The router writes its decision into the request object; a hold or claim copied into the
+    # retry would make it wait for the dead replica's prefill somewhere else (regression).
+    first = GenerateRequest("req-1", (1, 2, 3), (11,), SamplingSettings(max_tokens=4))
+    first.hold = HoldInstruction(num_blocks=1, max_wait_s=0.5)
+    first.routed_by, first.claim, first.routed_to, first.matched_blocks = "prefixmesh", 11, "r1", 1
+    retry = retry_request(first, 1, ("r1",), {"traceparent": "00-ab-cd-01"})
+    assert retry.request_id == "req-1-retry1"
+    assert retry.avoid_replicas == ("r1",)
+    assert (retry.hold, retry.routed_by, retry.claim, retry.routed_to) == (None, "", None, "")
+    assert retry.matched_blocks == 0
+    assert retry.trace_context == {"traceparent": "00-ab-cd-01"}
+    assert (retry.prompt_token_ids, retry.block_hashes, retry.sampling) == (
+        first.prompt_token_ids,
+        first.block_hashes,
+        first.sampling,
+    )
