@@ -143,6 +143,12 @@ class PrefixmeshPolicyConfig(_Section):
     """Claim a cold long prefix in the registry when sending it to be computed (one bounded
     round trip): a sibling routed meanwhile by any ingress, before the speculative entry is
     visible, is held on the claimant instead of computing the prefix again elsewhere."""
+    hold_claim_wait_share: float = Field(default=0.5, ge=0)
+    """Most a decision waits for its claim (and then its speculative write), as a share of the
+    chosen replica's expected prefill of the prompt; at least registry.lookup_deadline_ms, at
+    most registry.op_timeout_ms. The claim can save a sibling that whole prefill, and on a
+    loaded machine a Redis round trip outlasts the lookup deadline (a late claim counts as
+    won: the request computes, and siblings may compute too)."""
     hold_arrival_grace_s: float = Field(default=0.05, ge=0)
     """A replica holds a router-held request that arrives before the request computing its
     prefix (nothing orders two ingresses' calls) this long for that one to start."""

@@ -36,6 +36,9 @@ class ClaimSettings:
     (a sibling sharing less would not be held for it)."""
     min_tokens: int
     wait_factor: float
+    wait_share: float = 0.5
+    min_wait_s: float = 0.005
+    max_wait_s: float = 0.25
     slack_s: float = 0.05
     """Added to every bound: a replica's first token arrives a step after its prefill."""
 
@@ -52,6 +55,10 @@ class ClaimSettings:
             claim_blocks=max(1, max(policy.group_tokens, policy.hold_min_tokens) // block_size),
             min_tokens=max(1, policy.hold_min_tokens),
             wait_factor=policy.hold_wait_factor,
+            wait_share=policy.hold_claim_wait_share,
+            min_wait_s=config.registry.lookup_deadline_ms / 1000,
+            max_wait_s=max(config.registry.op_timeout_ms, config.registry.lookup_deadline_ms)
+            / 1000,
         )
 
 
@@ -96,6 +103,15 @@ def bound_s(settings: ClaimSettings, snapshot: ReplicaSnapshot, tokens: int) -> 
     """A claim's TTL and a claim hold's bound: generous (the release or the first token ends
     both early when all goes well), finite (a failed request frees its siblings)."""
     return settings.wait_factor * expected_ready_s(snapshot, tokens) + settings.slack_s
+
+
+def claim_wait_s(settings: ClaimSettings, snapshot: ReplicaSnapshot, tokens: int) -> float:
+    """How long the decision may wait for the registry's answer to its claim: a share of the
+    prefill the claim may save siblings, within [lookup deadline, op timeout]."""
+    rate = snapshot.capacity.prefill_tokens_per_s
+    prefill_s = max(tokens, 0) / rate if rate > 0 else 0.0
+    wait_s = settings.wait_share * prefill_s
+    return min(settings.max_wait_s, max(settings.min_wait_s, wait_s))
 
 
 def held_on(decision: RouteDecision, holder: ReplicaId, hold: Hold) -> RouteDecision:

@@ -29,7 +29,13 @@ from prefixmesh.cache_registry.hashing import FingerprintMismatchError
 from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.types import BlockHash, PrefixHit, PrefixKey, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.router.claims import ClaimSettings, bound_s, claim_prefix, held_on
+from prefixmesh.router.claims import (
+    ClaimSettings,
+    bound_s,
+    claim_prefix,
+    claim_wait_s,
+    held_on,
+)
 from prefixmesh.router.ledger import LedgerLoad
 from prefixmesh.router.local_state import LocalRouterState
 from prefixmesh.router.policy import make_policy
@@ -112,8 +118,9 @@ class RoutingCore:
         self.remote: CacheRegistry | None = registry
         """The shared registry client (Redis backend); None until first used."""
         self._spawn = spawn or self._spawn_here
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background: set[asyncio.Future[Any]] = set()
         self._claims = ClaimSettings.from_config(config)
+        self._connecting: asyncio.Task[None] | None = None
         if self.backend == "memory":
             # Nothing else reaches the in-process registry: the ingress's first-token call on
             # the ledger releases a request's claim.
@@ -138,15 +145,15 @@ class RoutingCore:
         view, outcome = await self._view(key, ids, group)
         snapshots = self.snapshots(candidates)
         decision = self.policy.route(route, snapshots, view, time.monotonic())
-        claim = None
+        claim, wait_s = None, 0.0
         with self.local.lock:
             first_time = self.local.ledger.replica_of(request.request_id) is None
         # A registry that missed its deadline would miss this one too: no claim then.
         if first_time and outcome in ("ok", "empty"):
             prefix = claim_prefix(self._claims, route, decision, view.hits)
             if prefix is not None:
-                decision, claim = await self._claim(prefix, route, decision, snapshots)
-        hit = await self._apply(request, route, decision, view.hits, group, claim)
+                decision, claim, wait_s = await self._claim(prefix, route, decision, snapshots)
+        hit = await self._apply(request, route, decision, view.hits, group, claim, wait_s)
         note_hit(hit)
         self.metrics.decided(
             self.policy.name,
@@ -164,36 +171,39 @@ class RoutingCore:
         route: RouteRequest,
         decision: RouteDecision,
         snapshots: Sequence[ReplicaSnapshot],
-    ) -> tuple[RouteDecision, BlockHash | None]:
+    ) -> tuple[RouteDecision, BlockHash | None, float]:
         """Claim ``prefix`` for the chosen replica: the decision and the claim it carries, or
-        the decision turned into a hold on the replica that claimed the prefix first."""
+        the decision turned into a hold on the replica that claimed the prefix first; and how
+        long the decision may wait on the registry for it."""
         chosen = decision.chosen
         by_id = {snapshot.replica_id: snapshot for snapshot in snapshots}
         ttl_s = bound_s(self._claims, by_id[chosen], route.prompt_tokens)
-        holder = await self._claim_inflight(prefix, chosen, ttl_s)
+        wait_s = claim_wait_s(self._claims, by_id[chosen], route.prompt_tokens)
+        holder = await self._claim_inflight(prefix, chosen, ttl_s, wait_s)
         if holder == chosen:
-            return decision, prefix
+            return decision, prefix, wait_s
         snapshot = by_id.get(holder) if holder is not None else None
         if holder is None or snapshot is None:
-            return decision, None  # no answer, or a holder we may not use (avoided, gone)
+            return decision, None, wait_s  # no answer, or a holder we may not use (avoided)
         hold = Hold(self._claims.claim_blocks, bound_s(self._claims, snapshot, route.prompt_tokens))
-        return held_on(decision, holder, hold), None
+        return held_on(decision, holder, hold), None, wait_s
 
     async def _claim_inflight(
-        self, prefix: BlockHash, replica: ReplicaId, ttl_s: float
+        self, prefix: BlockHash, replica: ReplicaId, ttl_s: float, wait_s: float
     ) -> ReplicaId | None:
         """The claim's holder after the attempt; None if the registry could not answer."""
         if self.backend == "memory":
             with self.local.lock:
                 return self.local.registry.claim_inflight(prefix, replica, ttl_s)
         registry = self.start_remote()
+        # Shielded: a late answer is not cancelled mid-command, it lands in the background.
+        claim = asyncio.ensure_future(registry.claim_inflight(prefix, replica, ttl_s))
         try:
-            return await asyncio.wait_for(
-                registry.claim_inflight(prefix, replica, ttl_s), self._deadline_s
-            )
+            return await asyncio.wait_for(asyncio.shield(claim), wait_s)
         except TimeoutError:
-            # The claim may have landed: carry it (releasing a claim we do not hold is a
-            # no-op), and compute as if no one else were.
+            # The claim may land: carry it (releasing a claim we do not hold is a no-op), and
+            # compute as if no one else were.
+            self._keep(claim)
             return replica
 
     def snapshots(self, candidates: Sequence[Candidate]) -> list[ReplicaSnapshot]:
@@ -244,6 +254,7 @@ class RoutingCore:
             note_lookup(self.backend, outcome, elapsed_s)
             return RegistryView(hits, rate), outcome
         registry = self.start_remote()
+        await self._connected()
         failures = registry.stats.lookup_failures
         available = bool(getattr(registry, "available", True))
         lookup = registry.lookup(key, replicas, deadline_s=self._deadline_s)
@@ -270,8 +281,10 @@ class RoutingCore:
         hits: Mapping[ReplicaId, PrefixHit],
         group: BlockHash | None,
         claim: BlockHash | None,
+        wait_s: float,
     ) -> PrefixHit | None:
-        """Write the decision into the request and the shared state; the chosen one's hit."""
+        """Write the decision into the request and the shared state; the chosen one's hit.
+        A claimed prefix's speculative entry is awaited up to ``wait_s``."""
         chosen = decision.chosen
         hit = hits.get(chosen)
         # Blocks the replica will not compute: those it holds, or those a hold waits for.
@@ -306,9 +319,12 @@ class RoutingCore:
             speculative = self.remote.add_speculative(route.key, chosen, ttl_s)
             if claim is not None:
                 # A claimed prefix: siblings that come after the claim is released must find
-                # it here, so the entry is written before the request leaves (bounded).
+                # it here, so the entry is written before the request leaves (bounded; a late
+                # write still lands).
+                write = asyncio.ensure_future(speculative)
+                self._keep(write)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(speculative, self._deadline_s)
+                    await asyncio.wait_for(asyncio.shield(write), wait_s)
             else:
                 self._spawn(speculative)
             if group is not None:
@@ -338,12 +354,28 @@ class RoutingCore:
 
     def start_remote(self) -> CacheRegistry:
         """The Redis client, created on first use with its ``connect`` started in the
-        background: a decision never waits for it (connect takes up to 4 op timeouts when
-        Redis is down); lookups before it has checked the fingerprint return nothing known."""
+        background: a decision waits for it at most one lookup deadline (connect takes up to 4
+        op timeouts when Redis is down); lookups before it has checked the fingerprint return
+        nothing known."""
         if self.remote is None:
             self.remote = make_registry(self.config)
-            self._spawn(self._connect(self.remote))
+            connect = self._connect(self.remote)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self._spawn(connect)  # off the loop: not awaited by decisions
+            else:
+                self._connecting = loop.create_task(connect)
+                self._keep(self._connecting)
         return self.remote
+
+    async def _connected(self) -> None:
+        """A new router's first decisions wait for its registry's fingerprint check, at most a
+        lookup deadline: a round trip or two on a live Redis, and without it a new ingress
+        would route its first requests blind to what Redis holds."""
+        connecting = self._connecting
+        if connecting is not None and not connecting.done():
+            await asyncio.wait({connecting}, timeout=self._deadline_s)
 
     @staticmethod
     async def _connect(registry: CacheRegistry) -> None:
@@ -355,7 +387,11 @@ class RoutingCore:
             logger.exception("registry connect failed; its calls retry on their own")
 
     def _spawn_here(self, coroutine: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
+        self._keep(asyncio.get_running_loop().create_task(coroutine))
+
+    def _keep(self, task: asyncio.Future[Any]) -> None:
+        """Hold a reference to background work until it is done (the loop keeps only weak
+        ones)."""
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

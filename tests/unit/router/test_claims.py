@@ -64,8 +64,11 @@ async def test_another_replicas_claim_turns_the_decision_into_a_hold_there() -> 
     core = core_on(state)
     sibling = request(2)
     head = BlockHash(sibling.block_hashes[HEAD_BLOCKS - 1])
-    # Another router claimed the head for r3 and its speculative entry is not visible yet.
+    # Another router claimed the head for r3 and its speculative entry is not visible yet;
+    # r3 has a queue, so this router's own pick is elsewhere.
     state.registry.claim_inflight(head, REPLICAS[3], 5.0)
+    with state.lock:
+        state.ledger.routed("queued-on-r3", REPLICAS[3], 4000)
     decision = await core.decide(sibling, candidates())
     assert decision.chosen == REPLICAS[3]
     assert decision.reason == CLAIM_REASON == sibling.routed_by
@@ -101,3 +104,17 @@ async def test_no_claim_for_a_warm_prefix_a_short_prompt_or_when_disabled() -> N
     cold = request(6, tokens=[t + 1 for t in DOCUMENT])
     await off.decide(cold, candidates())
     assert cold.claim is None
+
+
+def test_a_claim_waits_a_share_of_the_prefill_it_can_save() -> None:
+    from prefixmesh.router.claims import ClaimSettings, claim_wait_s
+    from prefixmesh.router.policy.base import ReplicaCapacity, ReplicaSnapshot
+
+    settings = ClaimSettings.from_config(config())
+    capacity = ReplicaCapacity(
+        prefill_tokens_per_s=10_000.0, decode_step_s=0.02, max_batch_tokens=2048, kv_blocks=100
+    )
+    snapshot = ReplicaSnapshot(REPLICAS[0], capacity, 0, 0, 0, 0)
+    assert claim_wait_s(settings, snapshot, 1000) == 0.5 * 0.1  # half of a 0.1 s prefill
+    assert claim_wait_s(settings, snapshot, 10) == 0.005  # never below the lookup deadline
+    assert claim_wait_s(settings, snapshot, 10**6) == 0.25  # nor above the op timeout
