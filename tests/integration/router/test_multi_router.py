@@ -45,13 +45,15 @@ async def test_a_hot_group_has_the_same_members_from_every_router(cluster: Clust
     holder = REPLICAS[3]
     await cluster.publish_stored(holder, key[:DOC_BLOCKS])
     group = key[HEAD_BLOCKS - 1]
-    # Traffic that sizes the group at k = 2: a decayed rate of 11 * ln 2 / 30 s busy-seconds
-    # per second, read 4x by a router that has just met the group (its warm-up correction),
-    # is 1.02 replicas' worth at the 0.7 target utilisation.
+    # Traffic that sizes the group at k = 2: one replica's worth (1.0 busy-seconds per second,
+    # 1.43 replicas at the 0.7 target utilisation) as a router that has just met the group
+    # reads it: the decayed rate (weight * ln 2 / half-life) times its warm-up correction.
+    policy = a.config.routing.prefixmesh
+    rate_per_weight = math.log(2) / a.config.registry.hotness_half_life_s
+    weight = 1.0 / (rate_per_weight * policy.affinity_warmup_max_boost)
     registry = await cluster.client()
-    for _ in range(11):
-        await registry.touch(group, 1.0)
-    ring = ReplicaRing(a.config.routing.prefixmesh.ring_vnodes)
+    await registry.touch(group, weight)
+    ring = ReplicaRing(policy.ring_vnodes)
     ring.sync(REPLICAS)
     members = set(ring.members(group, 2))
     chosen: dict[int, set[str]] = {id(a): set(), id(b): set()}
