@@ -54,6 +54,8 @@ from prefixmesh.wire import GenerateRequest, HoldInstruction
 logger = logging.getLogger(__name__)
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
+CONNECT_WAIT_S = 0.05
+"""Most a new router's first decisions wait for its registry client to be ready (once)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,9 +356,9 @@ class RoutingCore:
 
     def start_remote(self) -> CacheRegistry:
         """The Redis client, created on first use with its ``connect`` started in the
-        background: a decision waits for it at most one lookup deadline (connect takes up to 4
-        op timeouts when Redis is down); lookups before it has checked the fingerprint return
-        nothing known."""
+        background: only the router's first decisions wait for it, once, at most
+        ``CONNECT_WAIT_S`` (connect takes up to 4 op timeouts when Redis is down); lookups
+        before it has checked the fingerprint return nothing known."""
         if self.remote is None:
             self.remote = make_registry(self.config)
             connect = self._connect(self.remote)
@@ -370,12 +372,15 @@ class RoutingCore:
         return self.remote
 
     async def _connected(self) -> None:
-        """A new router's first decisions wait for its registry's fingerprint check, at most a
-        lookup deadline: a round trip or two on a live Redis, and without it a new ingress
-        would route its first requests blind to what Redis holds."""
+        """A new router's first decisions wait for its registry's fingerprint check, once, at
+        most ``CONNECT_WAIT_S``: a few round trips on a fresh connection, and without it a new
+        ingress routes its first requests blind to what Redis holds (Serve builds the router
+        at the first request). A registry that is down costs that wait once, never again."""
         connecting = self._connecting
-        if connecting is not None and not connecting.done():
-            await asyncio.wait({connecting}, timeout=self._deadline_s)
+        if connecting is not None:
+            if not connecting.done():
+                await asyncio.wait({connecting}, timeout=CONNECT_WAIT_S)
+            self._connecting = None
 
     @staticmethod
     async def _connect(registry: CacheRegistry) -> None:
