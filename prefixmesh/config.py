@@ -178,6 +178,12 @@ class PrefixmeshPolicyConfig(_Section):
     prompt from the first second): 4 sizes it for only a quarter of its traffic for the whole
     11 s run (mean TTFT 47.3 ms; 45.0 at 8, 42.4 at 16); 32 gives some groups of the groups workload
     a second member on a few requests' evidence (mean +2.5%)."""
+    affinity_min_requests: int = Field(default=8, ge=1)
+    """Requests of a group this router must have seen before the group may get a second
+    replica: a rate read off a handful of requests, boosted for their youth, buys copies on
+    noise. Measured: at 1, the few Mooncake groups that briefly reached k = 2 cost 2.0% mean
+    TTFT over 6 seeds (their copies recomputed ~450k tokens); at 8 they stay at k = 1, and blog's
+    hot prompt (about 140 requests a second) is sized within its first 60 ms as before."""
     ring_vnodes: int = Field(default=160, ge=1)
     """Points per replica on the affinity ring (uhashring's default): enough for an even share
     of groups per replica at 64 replicas, cheap to rebuild when the fleet changes."""
@@ -397,6 +403,68 @@ class TelemetryConfig(_Section):
     its caller's sampling decision instead."""
 
 
+class HotPrefixConfig(_Section):
+    """HotPrefix (seed-000): hotness per block (frequency and an aging clock), eviction by
+    frequency + clock / length, selective admission to the lower tier, periodic promotion."""
+
+    max_age: int = Field(default=255, ge=1)
+    """The clock a block gets on every access; aging takes one off per period, floor 0
+    (paper: 255, an 8-bit field)."""
+    aging_interval_requests: int = Field(default=16, ge=1)
+    """Requests per aging period ("a fixed number of user requests"; the paper gives none)."""
+    max_frequency: int = Field(default=255, ge=1)
+    """Frequency saturates here (paper: an 8-bit field)."""
+    length_unit: Literal["tokens", "blocks"] = "tokens"
+    """The ``length`` of Eq. 5 (frequency + clock / length): a block's tokens (paper: a radix
+    node's tokens) or 1 per block."""
+    admission: bool = True
+    """Admit a block evicted from a tier to the next one only when it is hot enough; False
+    writes every evicted block (the paper's ablation baseline)."""
+    freq_threshold: int = Field(default=10, ge=0)
+    """Admission stage 1: an evicted block seen fewer times than this is dropped (paper: 10)."""
+    promotion: bool = True
+    """Periodically swap the hottest lower-tier blocks whose parent is in the engine tier with
+    colder engine-tier blocks (the victims are dropped, as in the paper)."""
+    promotion_interval_requests: int = Field(default=1, ge=1)
+    """Requests between promotion rounds (paper: after each batch's prefill)."""
+    promotion_max_blocks: int = Field(default=64, ge=1)
+    """Most blocks promoted in one round (the paper bounds a round only by the cold space)."""
+    max_tracked_blocks: int = Field(default=262_144, ge=1)
+    """Hotness records kept, including blocks no tier holds any more (their frequency stays
+    cumulative); beyond it the coldest records of blocks nobody holds are forgotten."""
+
+
+class WorkloadAwareConfig(_Section):
+    """The workload-aware eviction of KVCache-in-the-wild (seed-003): per request category an
+    exponential reuse-time model fitted online, one LRU queue per category, victim = the lowest
+    (reuse probability, -offset) among the queues' heads."""
+
+    fit_window_s: float = Field(default=3600.0, gt=0)
+    """Reuse samples older than this are forgotten (paper: fits on hour windows)."""
+    refit_interval_s: float = Field(default=60.0, gt=0)
+    """How often the per-category models are refitted ("in the background"; not given)."""
+    min_samples: int = Field(default=32, ge=1)
+    """A category with fewer reuse samples in the window uses the fit of all categories."""
+    lifespan_regulator: bool = True
+    """Reuse probability 0 past the category's lifespan (paper: +2.4% hit rate in ablation)."""
+    lifespan_quantile: float = Field(default=0.99, gt=0, le=1)
+    """A category's lifespan = this quantile of its reuse times (paper quotes P99 lifespans)."""
+    max_samples_per_category: int = Field(default=65_536, ge=1)
+    """Reuse samples kept per category within the window (bounds memory)."""
+    max_tracked_blocks: int = Field(default=262_144, ge=1)
+    """Last-access records kept, including blocks no tier holds (to measure their reuse)."""
+
+
+class KVCacheConfig(_Section):
+    """The replicas' hierarchical prefix cache: which policy manages the tiers, and its
+    parameters (paper defaults where the paper gives one)."""
+
+    policy: Literal["lru", "lfu", "hotprefix", "workload"] = "hotprefix"
+    """Eviction / admission / promotion policy of every tier."""
+    hotprefix: HotPrefixConfig = HotPrefixConfig()
+    workload: WorkloadAwareConfig = WorkloadAwareConfig()
+
+
 class PrefixmeshConfig(_Section):
     model: str = "demo-tiny"
     """Model name served by the cluster; part of the cache fingerprint."""
@@ -414,6 +482,8 @@ class PrefixmeshConfig(_Section):
     """Where Ray runs."""
     telemetry: TelemetryConfig = TelemetryConfig()
     """Tracing: which exporter, where, and how much is sampled."""
+    kvcache: KVCacheConfig = KVCacheConfig()
+    """The replicas' hierarchical prefix cache policies (cache-sim, the KV connector)."""
     cache_dir: str = "~/.cache/prefixmesh"
     """Where generated artefacts (the demo model) are kept."""
     app_name: str = "prefixmesh"

@@ -44,6 +44,7 @@ class AffinityGroups:
         max_groups: int,
         rate_half_life_s: float = 30.0,
         max_warmup_boost: float = 1.0,
+        min_requests: int = 1,
     ) -> None:
         if not 0 < target_utilization <= 1:
             raise ValueError(f"target_utilization must be in (0, 1], got {target_utilization}")
@@ -54,22 +55,29 @@ class AffinityGroups:
         self._max_groups = max_groups
         self._half_life_s = rate_half_life_s
         self._max_boost = max_warmup_boost
+        self._min_requests = min_requests
         self._sizes: OrderedDict[BlockHash, int] = OrderedDict()
-        self._first_seen: OrderedDict[BlockHash, float] = OrderedDict()
+        self._first_seen: OrderedDict[BlockHash, list[float]] = OrderedDict()
+        """Per group: [when this router first saw it, requests it has seen since]."""
 
     def observed(self, group: BlockHash, rate: float, now_s: float) -> float:
-        """The group's registry rate with the decayed counter's warm-up bias divided out."""
+        """The group's registry rate with the decayed counter's warm-up bias divided out; 0
+        until this router has seen ``min_requests`` of its requests (a rate read off a handful
+        of requests, boosted for their youth, would buy copies on noise)."""
         first_seen = self._first_seen
-        first = first_seen.get(group)
-        if first is None:
-            first = first_seen[group] = now_s
+        seen = first_seen.get(group)
+        if seen is None:
+            seen = first_seen[group] = [now_s, 0.0]
             if len(first_seen) > self._max_groups:
                 first_seen.popitem(last=False)
         else:
             first_seen.move_to_end(group)
+        seen[1] += 1
+        if seen[1] < self._min_requests:
+            return 0.0
         if self._max_boost <= 1.0 or not rate > 0:
             return rate
-        filled = -math.expm1(-(now_s - first) / self._half_life_s * math.log(2))
+        filled = -math.expm1(-(now_s - seen[0]) / self._half_life_s * math.log(2))
         return rate / filled if filled * self._max_boost > 1.0 else rate * self._max_boost
 
     def needed(self, rate: float) -> float:

@@ -104,6 +104,7 @@ class PrefixmeshPolicy:
             max_groups=config.affinity_max_groups,
             rate_half_life_s=config.affinity_rate_half_life_s,
             max_warmup_boost=config.affinity_warmup_max_boost,
+            min_requests=config.affinity_min_requests,
         )
         self.ring = ReplicaRing(config.ring_vnodes)
         self._reference: tuple[float, float] | None = None

@@ -50,3 +50,11 @@ def test_a_young_group_s_rate_is_corrected_for_the_counter_s_warm_up() -> None:
     assert g.observed(BlockHash(9), 0.1, 130.0) == pytest.approx(0.4)
     # No correction asked for: the rate as reported.
     assert groups().observed(G, 0.5, 5.0) == 0.5
+
+
+def test_a_group_is_not_sized_before_this_router_saw_enough_of_its_requests() -> None:
+    g = groups(min_requests=3)
+    assert [g.observed(G, 2.0, t) for t in (0.0, 0.1)] == [0.0, 0.0]  # k stays 1 meanwhile
+    assert g.observed(G, 2.0, 0.2) == 2.0  # the third request: its rate counts
+    assert g.size(G, g.observed(G, 2.0, 0.3)) == 4
+    assert groups().observed(BlockHash(5), 2.0, 0.0) == 2.0  # default: from the first one

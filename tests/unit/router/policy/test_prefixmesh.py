@@ -24,9 +24,14 @@ NAMES = tuple(f"r{i}" for i in range(8))
 GROUP_HEAD = (1, 2)  # group_tokens = 8: the first 2 blocks name the group
 
 
-BASE = {"group_tokens": 8, "hold_min_tokens": 8, "affinity_warmup_max_boost": 1.0}
-"""Small groups and holds for block size 4; group rates taken as given (the warm-up
-correction has its own test)."""
+BASE = {
+    "group_tokens": 8,
+    "hold_min_tokens": 8,
+    "affinity_warmup_max_boost": 1.0,
+    "affinity_min_requests": 1,
+}
+"""Small groups and holds for block size 4; group rates taken as given from the first request
+(the warm-up correction and the minimum request count have their own tests)."""
 
 
 def prefixmesh(seed: int = 0, **section: object) -> PrefixmeshPolicy:
