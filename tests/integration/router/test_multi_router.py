@@ -38,8 +38,10 @@ async def test_same_prefix_same_holder_from_every_router(cluster: Cluster) -> No
 
 async def test_a_hot_group_has_the_same_members_from_every_router(cluster: Cluster) -> None:
     """A hot group's requests go to its ring members (plus the replica that already holds the
-    document), and both routers compute the same members (the ring is md5, not per-process)."""
-    a, b = await cluster.router(1, DEADLINE), await cluster.router(2, DEADLINE)
+    document), and both routers compute the same members (the ring is md5, not per-process).
+    The group is hot from its first request here (``affinity_min_requests=1``)."""
+    hot = "routing.prefixmesh.affinity_min_requests=1"
+    a, b = await cluster.router(1, DEADLINE, hot), await cluster.router(2, DEADLINE, hot)
     doc = document(1, DOC_BLOCKS)
     key = cluster.request(doc, 0).block_hashes
     holder = REPLICAS[3]
