@@ -415,8 +415,13 @@ class HotPrefixConfig(_Section):
     max_frequency: int = Field(default=255, ge=1)
     """Frequency saturates here (paper: an 8-bit field)."""
     length_unit: Literal["tokens", "blocks"] = "tokens"
-    """The ``length`` of Eq. 5 (frequency + clock / length): a block's tokens (paper: a radix
-    node's tokens) or 1 per block."""
+    """The ``length`` of the formulas: a block's tokens (paper: a radix node's tokens) or 1
+    per block."""
+    eviction_priority: str = "frequency + clock / length"
+    """Eq. 5, lowest evicted first; any expression over frequency, clock, length with
+    ``+ - * /`` (the paper makes it configurable) that does not fall as clock grows."""
+    admission_hotness: str = "frequency * clock"
+    """Eq. 6, compared at admission and promotion; configurable like the eviction priority."""
     admission: bool = True
     """Admit a block evicted from a tier to the next one only when it is hot enough; False
     writes every evicted block (the paper's ablation baseline)."""
@@ -425,6 +430,9 @@ class HotPrefixConfig(_Section):
     promotion: bool = True
     """Periodically swap the hottest lower-tier blocks whose parent is in the engine tier with
     colder engine-tier blocks (the victims are dropped, as in the paper)."""
+    promotion_victims: Literal["drop", "demote"] = "drop"
+    """What happens to the engine-tier blocks a promotion displaces: dropped (paper), or
+    evicted to the next tier like any other victim (a swap)."""
     promotion_interval_requests: int = Field(default=1, ge=1)
     """Requests between promotion rounds (paper: after each batch's prefill)."""
     promotion_max_blocks: int = Field(default=64, ge=1)

@@ -1,0 +1,55 @@
+"""Cache policies of the hierarchical prefix cache: pure strategy objects behind one interface
+(``base.CachePolicy``); ``make_policy`` builds one by name from the ``kvcache`` config."""
+
+from __future__ import annotations
+
+from prefixmesh.config import KVCacheConfig
+from prefixmesh.replica.kvcache.policy.base import (
+    ENGINE_TIER,
+    BlockRef,
+    CachePolicy,
+    Clock,
+    ManualClock,
+    Promotion,
+)
+from prefixmesh.replica.kvcache.policy.hotprefix import HotPrefixPolicy
+from prefixmesh.replica.kvcache.policy.simple import LFUPolicy, LRUPolicy
+from prefixmesh.replica.kvcache.policy.workload import ReuseFit, WorkloadAwarePolicy
+
+POLICY_NAMES: tuple[str, ...] = ("lru", "lfu", "hotprefix", "workload")
+
+
+def make_policy(
+    name: str, config: KVCacheConfig, *, clock: Clock, block_tokens: int
+) -> CachePolicy:
+    """A fresh policy called ``name`` for one cache hierarchy, set up from ``config``.
+
+    ``clock`` is its only source of time; ``block_tokens`` is the tokens per block (HotPrefix's
+    length term).
+    """
+    if name == "lru":
+        return LRUPolicy()
+    if name == "lfu":
+        return LFUPolicy()
+    if name == "hotprefix":
+        return HotPrefixPolicy(config.hotprefix, block_tokens=block_tokens)
+    if name == "workload":
+        return WorkloadAwarePolicy(config.workload, clock=clock)
+    raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+
+
+__all__ = [
+    "ENGINE_TIER",
+    "POLICY_NAMES",
+    "BlockRef",
+    "CachePolicy",
+    "Clock",
+    "HotPrefixPolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "ManualClock",
+    "Promotion",
+    "ReuseFit",
+    "WorkloadAwarePolicy",
+    "make_policy",
+]
