@@ -470,7 +470,9 @@ class KVCacheConfig(_Section):
     policy: Literal["lru", "lfu", "hotprefix", "workload"] = "hotprefix"
     """Eviction / admission / promotion policy of every tier."""
     hotprefix: HotPrefixConfig = HotPrefixConfig()
+    """Settings of the ``hotprefix`` policy."""
     workload: WorkloadAwareConfig = WorkloadAwareConfig()
+    """Settings of the ``workload`` (workload-aware) policy."""
 
 
 class PrefixmeshConfig(_Section):
