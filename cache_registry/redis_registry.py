@@ -43,6 +43,13 @@ T = TypeVar("T")
 _EVENT_CODES = {EventKind.STORED: "s", EventKind.REMOVED: "r", EventKind.CLEARED: "c"}
 _FAILURES = (RedisError, OSError, TimeoutError)
 
+_DEADLINE_MISSES_BEFORE_OUTAGE = 3
+"""Missed deadlines in a row that count as an outage (back off, re-check the fingerprint).
+One miss is usually a busy machine or a long script, not a dead server: treating it as an
+outage blinded every routing decision for the back-off and the re-check (50+ ms) after a
+single slow lookup during a burst. A stalled server misses every deadline and is caught by the
+third."""
+
 
 def hex_hash(block: BlockHash) -> str:
     return f"{block:016x}"
@@ -109,6 +116,7 @@ class RedisRegistry:
             )
         }
         self._failing = False
+        self._deadline_misses = 0
         self._backoff_s = backoff_initial_s
         self._retry_at = 0.0
         self._verified = False
@@ -204,9 +212,16 @@ class RedisRegistry:
             return default, False
         try:
             result = await asyncio.wait_for(call(), timeout_s)
+        except TimeoutError as exc:
+            self.stats.last_error = f"{type(exc).__name__}: deadline of {timeout_s:.3f} s missed"
+            self._deadline_misses += 1
+            if self._failing or self._deadline_misses >= _DEADLINE_MISSES_BEFORE_OUTAGE:
+                self._on_failure(exc)
+            return default, False
         except _FAILURES as exc:
             self._on_failure(exc)
             return default, False
+        self._deadline_misses = 0
         await self._on_success()
         if self._disabled_reason or not self._verified:
             return default, False  # not trusted until the fingerprint check has passed

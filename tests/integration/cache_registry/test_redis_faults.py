@@ -175,3 +175,34 @@ async def test_unreachable_at_connect_is_not_fatal() -> None:
     assert await registry.lookup(KEY, [], deadline_s=DEADLINE_S) == {}
     assert "Error" in registry.stats.last_error
     await registry.close()
+
+
+async def test_one_missed_deadline_is_not_an_outage(
+    server: LocalRedisServer, registry: RedisRegistry
+) -> None:
+    # Regression: a single slow lookup (a busy machine during a burst) made the client back
+    # off and re-check the fingerprint, so every decision for the next 50+ ms routed blind.
+    await registry.publish([stored(0)])
+    assert await registry.lookup(KEY, [R1], deadline_s=0.5) == {R1: PrefixHit(8, (8, 0, 0))}
+    lookup = registry._scripts["LOOKUP"]
+    calls = 0
+
+    async def slow_once(**kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(0.2)
+        return await lookup(**kwargs)
+
+    registry._scripts["LOOKUP"] = slow_once  # type: ignore[assignment]
+    assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {}
+    assert registry.available and registry.verified
+    assert await registry.lookup(KEY, [R1], deadline_s=0.5) == {R1: PrefixHit(8, (8, 0, 0))}
+    # A server that misses every deadline is an outage, caught by the third miss.
+    os.kill(server.pid or 0, signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            assert await registry.lookup(KEY, [R1], deadline_s=DEADLINE_S) == {}
+        assert not registry.available
+    finally:
+        os.kill(server.pid or 0, signal.SIGCONT)
