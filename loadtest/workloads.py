@@ -293,8 +293,54 @@ class BurstWorkload:
         return requests
 
 
+# ---- fewshot: HotPrefix's shuffled few-shot benchmark shape --------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FewshotWorkload:
+    """HotPrefix's setup (seed-000 section 3): a shuffled few-shot benchmark such as 5-shot
+    MMLU, where every question of a subject starts with that subject's few-shot prefix. Subjects
+    have long-tailed (Zipf) popularity, each question is unique and asked once, the answer is
+    one token. MMLU has 57 subjects and a mean input of 567 tokens."""
+
+    name: ClassVar[str] = "fewshot"
+    default_replicas: ClassVar[int] = 4
+
+    num_subjects: int = 57
+    prefix_tokens_min: int = 300
+    """Few-shot prefix lengths are log-uniform in [min, max], one per subject."""
+    prefix_tokens_max: int = 1200
+    question_tokens_min: int = 30
+    question_tokens_max: int = 150
+    zipf_exponent: float = 1.0
+    output_tokens: int = 1
+
+    def generate(
+        self, num_requests: int, rate: float, seed: int, duration_s: float | None = None
+    ) -> list[WorkloadRequest]:
+        shape, timing = _rngs(seed, self.name)
+        ids = itertools.count(1)
+        prefixes = [
+            Segment(next(ids), _log_uniform(shape, self.prefix_tokens_min, self.prefix_tokens_max))
+            for _ in range(self.num_subjects)
+        ]
+        pick_subject = _zipf_sampler(shape, self.num_subjects, self.zipf_exponent)
+        requests: list[WorkloadRequest] = []
+        for i, arrival in enumerate(_poisson_times(timing, rate)):
+            if i >= num_requests or not _within(duration_s, arrival):
+                break
+            subject = pick_subject()
+            question = shape.randint(self.question_tokens_min, self.question_tokens_max)
+            segments = (prefixes[subject], Segment(next(ids), question))
+            requests.append(
+                make_request(f"fewshot-{i}", arrival, segments, self.output_tokens, kind="fewshot")
+            )
+        return requests
+
+
 WORKLOADS: dict[str, type[Workload]] = {
-    w.name: w for w in (BlogWorkload, GroupsWorkload, MultiturnWorkload, BurstWorkload)
+    w.name: w
+    for w in (BlogWorkload, GroupsWorkload, MultiturnWorkload, BurstWorkload, FewshotWorkload)
 }
 
 

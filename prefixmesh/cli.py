@@ -39,6 +39,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixmesh.loadtest.simulate",
         "compare routing policies on a simulated fleet (discrete events, no GPU)",
     ),
+    "cache-sim": (
+        "prefixmesh.loadtest.cache_sim",
+        "replay a trace or workload through the hierarchical cache policies: hit rate, writes",
+    ),
     "replica-server": (
         "prefixmesh.replica_server",
         "one replica's engine (sim or vllm) behind the OpenAI API on 127.0.0.1",

@@ -1,0 +1,369 @@
+"""``prefixmesh cache-sim``: hierarchical cache policies replayed on a trace or a workload.
+
+Every policy sees the same requests on identical empty tiers (``replica/kvcache/sim.py``): the
+engine tier, then the lower tiers, with capacities in blocks. Rows report the leading-prefix
+hit rate (overall and by the tier that held the block), the blocks written to the lower tiers
+and the blocks moved up into the engine tier. ``--capacity-fraction`` sizes the engine tier as
+a fraction of the distinct blocks the requests use, with lower tiers ``--lower-tiers`` times
+as large (default one CPU tier the engine tier's size, HotPrefix's setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefixmesh.cache_registry.types import BlockHash
+from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.loadtest.keys import KeyBuilder
+from prefixmesh.loadtest.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    QWEN_BLOCK_TOKENS,
+    TRACE_FORMATS,
+    TraceFormat,
+    detect_format,
+    load_trace,
+)
+from prefixmesh.loadtest.workloads import WORKLOADS, WorkloadRequest, make_workload
+from prefixmesh.replica.kvcache.categories import TurnCategorizer
+from prefixmesh.replica.kvcache.policy import POLICY_NAMES, ManualClock, make_policy
+from prefixmesh.replica.kvcache.sim import CacheRequest, CacheSimResult, TieredCacheSim
+
+DEFAULT_REQUESTS = 4000
+DEFAULT_WORKLOAD_BLOCK_TOKENS = 16
+"""GPU vLLM's block size (anchors-systems 2.7)."""
+TIER_NAMES = ("gpu", "cpu", "disk")
+TRACE_BLOCK_TOKENS: dict[TraceFormat, int] = {
+    "mooncake": MOONCAKE_BLOCK_TOKENS,
+    "qwen": QWEN_BLOCK_TOKENS,
+}
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workload", choices=sorted(WORKLOADS), help="a synthetic workload")
+    source.add_argument("--trace", type=Path, help="a Mooncake or Qwen-Bailian JSONL trace")
+    parser.add_argument("--trace-format", choices=("auto", *TRACE_FORMATS), default="auto")
+    parser.add_argument(
+        "--param", action="append", default=[], metavar="FIELD=VALUE", help="workload parameter"
+    )
+    parser.add_argument(
+        "--requests", type=int, help=f"at most this many (workload: {DEFAULT_REQUESTS})"
+    )
+    parser.add_argument("--rate", type=float, default=1.0, help="workload arrivals per second")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        help=f"tokens per block (trace: its own, 512 or 16; workload: "
+        f"{DEFAULT_WORKLOAD_BLOCK_TOKENS})",
+    )
+    sizes = parser.add_mutually_exclusive_group(required=True)
+    sizes.add_argument(
+        "--capacity-blocks",
+        action="append",
+        metavar="N1,N2,...",
+        help="engine tier, then lower tiers, in blocks (repeatable: one run per set)",
+    )
+    sizes.add_argument(
+        "--capacity-fraction",
+        type=_floats,
+        metavar="F1,F2,...",
+        help="engine tier as fractions of the distinct blocks (one run per fraction)",
+    )
+    parser.add_argument(
+        "--lower-tiers",
+        type=_floats,
+        default=[1.0],
+        metavar="R1,R2,...",
+        help="with --capacity-fraction: lower tiers as multiples of the engine tier (default 1; "
+        "0 or an empty list: no lower tier)",
+    )
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated")
+    parser.add_argument(
+        "--variant",
+        dest="variants",
+        nargs="+",
+        action="append",
+        metavar=("LABEL", "KEY=VALUE"),
+        help="instead of --policies: a row named LABEL with these config settings, e.g. "
+        "--variant write-all kvcache.policy=hotprefix kvcache.hotprefix.admission=false",
+    )
+    parser.add_argument(
+        "--max-turn", type=int, default=8, help="turns above this share one category"
+    )
+    parser.add_argument("--config", type=Path, help="prefixmesh YAML config (kvcache section)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override"
+    )
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plot", type=Path, help="write hit-rate and write charts here (PNG)")
+    args = parser.parse_args(list(argv))
+    if args.requests is not None and args.requests <= 0:
+        parser.error("--requests must be > 0")
+    if args.block_tokens is not None and args.block_tokens <= 0:
+        parser.error("--block-tokens must be > 0")
+    if args.capacity_fraction is not None and not all(f > 0 for f in args.capacity_fraction):
+        parser.error("--capacity-fraction values must be > 0")
+    if any(r < 0 for r in args.lower_tiers):
+        parser.error("--lower-tiers values must be >= 0")
+    return args
+
+
+# ---- requests -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    name: str
+    block_tokens: int
+    requests: list[CacheRequest]
+    distinct_blocks: int
+    """Distinct blocks the requests store (prompt and answer blocks)."""
+    ceiling_hit_rate: float
+    """Hit rate of one unbounded cache: no policy can beat it."""
+
+
+def to_cache_requests(
+    requests: Sequence[WorkloadRequest], block_tokens: int, max_turn: int = 8
+) -> list[CacheRequest]:
+    """Prompts as chained block hashes in arrival order, each with its category (kind and
+    turn, the turn read off the prompt: ``TurnCategorizer``) and the answer blocks a later
+    prompt repeats."""
+    keys = KeyBuilder(block_tokens)
+    categories = TurnCategorizer(max_turn)
+    out = []
+    for request in sorted(requests, key=lambda r: r.arrival_s):
+        prompt = keys.key(request.segments).block_hashes
+        answer: tuple[BlockHash, ...] = ()
+        if request.finish_segments is not None:
+            full = keys.key(request.finish_segments).block_hashes
+            if full[: len(prompt)] == prompt:
+                answer = full[len(prompt) :]
+        category = categories.category(request.kind or "request", prompt)
+        out.append(CacheRequest(prompt, request.arrival_s, category, answer))
+    return out
+
+
+def ceiling_hit_rate(requests: Sequence[CacheRequest]) -> float:
+    seen: set[int] = set()
+    hits = total = 0
+    for request in requests:
+        for block in request.blocks:
+            if block not in seen:
+                break
+            hits += 1
+        total += len(request.blocks)
+        seen.update(request.blocks)
+        seen.update(request.output_blocks)
+    return hits / total if total else 0.0
+
+
+def _params(items: Sequence[str]) -> dict[str, Any]:
+    import yaml
+
+    params: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--param wants FIELD=VALUE, got {item!r}")
+        params[key] = yaml.safe_load(value)
+    return params
+
+
+def _trace_format(path: Path, choice: str) -> TraceFormat:
+    if choice != "auto":
+        return choice
+    with path.open() as lines:
+        first = next((line for line in lines if line.strip()), None)
+    if first is None:
+        raise SystemExit(f"{path}: empty trace")
+    return detect_format(json.loads(first))
+
+
+def build_replay(args: argparse.Namespace) -> Replay:
+    if args.trace is not None:
+        fmt = _trace_format(args.trace, args.trace_format)
+        block_tokens = args.block_tokens or TRACE_BLOCK_TOKENS[fmt]
+        workload_requests = load_trace(args.trace, fmt)
+        if args.requests is not None:
+            workload_requests = workload_requests[: args.requests]
+        name = args.trace.name
+    else:
+        workload = make_workload(args.workload, _params(args.param))
+        block_tokens = args.block_tokens or DEFAULT_WORKLOAD_BLOCK_TOKENS
+        workload_requests = workload.generate(
+            args.requests or DEFAULT_REQUESTS, args.rate, args.seed
+        )
+        name = args.workload
+    requests = to_cache_requests(workload_requests, block_tokens, args.max_turn)
+    distinct = len({b for r in requests for b in (*r.blocks, *r.output_blocks)})
+    return Replay(name, block_tokens, requests, distinct, ceiling_hit_rate(requests))
+
+
+def capacity_sets(args: argparse.Namespace, distinct_blocks: int) -> list[tuple[int, ...]]:
+    if args.capacity_blocks:
+        sets = []
+        for text in args.capacity_blocks:
+            try:
+                sizes = tuple(int(v) for v in text.split(","))
+            except ValueError:
+                raise SystemExit(f"--capacity-blocks wants N1,N2,..., got {text!r}") from None
+            if not sizes or sizes[0] <= 0 or any(s < 0 for s in sizes):
+                raise SystemExit(f"--capacity-blocks needs an engine tier > 0: {text!r}")
+            sets.append(sizes)
+        return sets
+    out = []
+    for fraction in args.capacity_fraction:
+        engine = max(1, round(fraction * distinct_blocks))
+        lower = [round(ratio * engine) for ratio in args.lower_tiers if ratio > 0]
+        out.append((engine, *lower))
+    return out
+
+
+# ---- runs -----------------------------------------------------------------------------------
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    if args.variants:
+        return [(label, list(overrides)) for label, *overrides in args.variants]
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICY_NAMES]
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; choose from {', '.join(POLICY_NAMES)}")
+    return [(name, [f"kvcache.policy={name}"]) for name in names]
+
+
+def run_policy(
+    replay: Replay, config: PrefixmeshConfig, capacities: tuple[int, ...]
+) -> tuple[CacheSimResult, float]:
+    clock = ManualClock()
+    policy = make_policy(
+        config.kvcache.policy, config.kvcache, clock=clock, block_tokens=replay.block_tokens
+    )
+    started = time.perf_counter()
+    result = TieredCacheSim(capacities, policy, clock).run(replay.requests)
+    return result, time.perf_counter() - started
+
+
+def tier_name(tier: int) -> str:
+    return TIER_NAMES[tier] if tier < len(TIER_NAMES) else f"tier{tier}"
+
+
+def result_row(label: str, result: CacheSimResult, wall_s: float) -> dict[str, Any]:
+    return {
+        "policy": label,
+        "capacity_blocks": list(result.capacity_blocks),
+        "hit_rate": round(result.hit_rate, 6),
+        "hit_rate_by_tier": {
+            tier_name(t): round(rate, 6) for t, rate in enumerate(result.hit_rate_by_tier)
+        },
+        "blocks_written": result.blocks_written,
+        "blocks_promoted": result.blocks_promoted,
+        "blocks_loaded": result.blocks_loaded,
+        "blocks_promoted_ahead": result.blocks_promoted_ahead,
+        "blocks_evicted": result.blocks_evicted,
+        "blocks_rejected": result.blocks_rejected,
+        "blocks_dropped_orphans": result.blocks_dropped_orphans,
+        "requests": result.requests,
+        "blocks": result.blocks,
+        "wall_s": round(wall_s, 3),
+    }
+
+
+def format_table(replay: Replay, rows: Sequence[dict[str, Any]]) -> str:
+    lru = {tuple(r["capacity_blocks"]): r["hit_rate"] for r in rows if r["policy"] == "lru"}
+    lines = [
+        f"{replay.name}: {len(replay.requests)} requests, {replay.block_tokens}-token blocks, "
+        f"{replay.distinct_blocks:,} distinct blocks, ceiling hit rate "
+        f"{replay.ceiling_hit_rate:.1%}",
+        "",
+        f"{'policy':<16} {'capacity_blocks':<16} {'hit':>6} {'vs_lru':>6} {'by_tier':<20} "
+        f"{'written':>8} {'promoted':>8} {'evicted':>8} {'rejected':>8} {'wall_s':>6}",
+    ]
+    for row in rows:
+        capacities = tuple(row["capacity_blocks"])
+        base = lru.get(capacities)
+        ratio = f"{row['hit_rate'] / base:.3f}" if base else "-"
+        by_tier = " ".join(f"{t}={v:.1%}" for t, v in row["hit_rate_by_tier"].items())
+        lines.append(
+            f"{row['policy']:<16} {','.join(map(str, capacities)):<16} {row['hit_rate']:>6.1%} "
+            f"{ratio:>6} {by_tier:<20} {row['blocks_written']:>8} {row['blocks_promoted']:>8} "
+            f"{row['blocks_evicted']:>8} {row['blocks_rejected']:>8} {row['wall_s']:>6.1f}"
+        )
+    return "\n".join(lines)
+
+
+def plot_results(replay: Replay, rows: Sequence[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (hit_ax, write_ax) = plt.subplots(1, 2, figsize=(13, 5))
+    labels = list(dict.fromkeys(r["policy"] for r in rows))
+    for label in labels:
+        mine = sorted((r for r in rows if r["policy"] == label), key=lambda r: r["capacity_blocks"])
+        xs = [r["capacity_blocks"][0] for r in mine]
+        hit_ax.plot(xs, [r["hit_rate"] for r in mine], marker="o", label=label)
+        write_ax.plot(xs, [max(1, r["blocks_written"]) for r in mine], marker="o", label=label)
+    hit_ax.axhline(replay.ceiling_hit_rate, color="grey", linestyle=":", label="unbounded cache")
+    hit_ax.set_xlabel("engine-tier capacity (blocks)")
+    hit_ax.set_ylabel("leading-prefix hit rate (all tiers)")
+    hit_ax.set_title("hit rate")
+    hit_ax.grid(True, alpha=0.3)
+    hit_ax.legend(fontsize="small")
+    write_ax.set_xlabel("engine-tier capacity (blocks)")
+    write_ax.set_ylabel("blocks written to lower tiers")
+    write_ax.set_yscale("log")
+    write_ax.set_title("writes to lower tiers")
+    write_ax.grid(True, which="both", alpha=0.3)
+    write_ax.legend(fontsize="small")
+    fig.suptitle(
+        f"{replay.name}: {len(replay.requests)} requests, {replay.block_tokens}-token blocks"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str], prog: str = "cache-sim") -> int:
+    args = parse_args(argv, prog)
+    base = load_config(args.config, args.set)
+    rows_spec = variants(args)
+    replay = build_replay(args)
+    if not replay.requests:
+        raise SystemExit("no requests to replay")
+    capacities = capacity_sets(args, replay.distinct_blocks)
+    rows: list[dict[str, Any]] = []
+    for sizes in capacities:
+        for label, overrides in rows_spec:
+            config = load_config(args.config, [*args.set, *overrides])
+            result, wall_s = run_policy(replay, config, sizes)
+            rows.append(result_row(label, result, wall_s))
+    print(format_table(replay, rows))
+    if args.json:
+        report = {
+            "results": rows,
+            "source": replay.name,
+            "requests": len(replay.requests),
+            "block_tokens": replay.block_tokens,
+            "distinct_blocks": replay.distinct_blocks,
+            "ceiling_hit_rate": round(replay.ceiling_hit_rate, 6),
+            "variants": {label: overrides for label, overrides in rows_spec},
+            "kvcache": base.kvcache.model_dump(),
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot_results(replay, rows, args.plot)
+    return 0

@@ -1,0 +1,119 @@
+"""``prefixmesh cache-sim`` end to end on tiny traces and workloads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prefixmesh.cli import SUBCOMMANDS
+from prefixmesh.loadtest import cache_sim
+from prefixmesh.loadtest.traces import load_trace
+from prefixmesh.loadtest.workloads import FewshotWorkload
+
+MOONCAKE = [
+    {"timestamp": 0, "input_length": 3 * 512 + 7, "output_length": 5, "hash_ids": [1, 2, 3, 90]},
+    {"timestamp": 10, "input_length": 2 * 512 + 7, "output_length": 5, "hash_ids": [4, 5, 91]},
+    {"timestamp": 20, "input_length": 3 * 512, "output_length": 5, "hash_ids": [1, 2, 3]},
+    {"timestamp": 30, "input_length": 4 * 512, "output_length": 5, "hash_ids": [1, 2, 6, 7]},
+]
+QWEN = [
+    {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.0, "input_length": 48,
+     "output_length": 32, "hash_ids": [1, 2, 3], "turn": 1, "type": "text"},
+    {"chat_id": 2, "parent_chat_id": 1, "timestamp": 5.0, "input_length": 96,
+     "output_length": 8, "hash_ids": [1, 2, 3, 4, 5, 6], "turn": 2, "type": "text"},
+    {"chat_id": 3, "parent_chat_id": -1, "timestamp": 6.0, "input_length": 32,
+     "output_length": 8, "hash_ids": [7, 8], "turn": 1, "type": "search"},
+]  # fmt: skip
+
+
+def write(path: Path, records: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_subcommand_is_registered() -> None:
+    assert SUBCOMMANDS["cache-sim"][0] == "prefixmesh.loadtest.cache_sim"
+
+
+def test_mooncake_trace_rows_in_the_issue_schema(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace, out = write(tmp_path / "mc.jsonl", MOONCAKE), tmp_path / "out.json"
+    argv = [
+        "--trace", str(trace), "--capacity-blocks", "3,2", "--capacity-blocks", "16",
+        "--policies", "lru,hotprefix", "--json", str(out),
+    ]  # fmt: skip
+    assert cache_sim.main(argv) == 0
+    assert "ceiling hit rate" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["block_tokens"] == 512 and report["distinct_blocks"] == 7
+    rows = report["results"]
+    assert [(r["policy"], r["capacity_blocks"]) for r in rows] == [
+        ("lru", [3, 2]),
+        ("hotprefix", [3, 2]),
+        ("lru", [16]),
+        ("hotprefix", [16]),
+    ]
+    for row in rows:
+        assert {"policy", "capacity_blocks", "hit_rate", "hit_rate_by_tier", "blocks_written",
+                "blocks_promoted"} <= set(row)  # fmt: skip
+    # 12 blocks requested; an unbounded cache hits 3 (request 3) + 2 (request 4)
+    assert report["ceiling_hit_rate"] == pytest.approx(5 / 12)
+    assert rows[2]["hit_rate"] == pytest.approx(5 / 12)
+    # LRU over 3 + 2: request 2 pushes 3 and 2 down, request 3 loads them back (2 CPU hits),
+    # request 4 hits 1 and 2 in the engine tier
+    lru = rows[0]
+    assert lru["hit_rate_by_tier"] == pytest.approx({"gpu": 3 / 12, "cpu": 2 / 12}, abs=1e-6)
+    assert lru["blocks_written"] == 5 and lru["blocks_promoted"] == 2
+
+
+def test_qwen_turns_answers_and_categories(tmp_path: Path) -> None:
+    requests = cache_sim.to_cache_requests(load_trace(write(tmp_path / "q.jsonl", QWEN)), 16)
+    assert [r.category for r in requests] == ["text-1", "text-2", "search-1"]
+    first, second, _ = requests
+    assert len(first.blocks) == 3 and len(first.output_blocks) == 2  # answer blocks 4, 5
+    assert second.blocks[:5] == first.blocks + first.output_blocks
+    assert cache_sim.ceiling_hit_rate(requests) == pytest.approx(5 / 11)
+
+
+def test_fewshot_workload_and_fractions_variants_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, png = tmp_path / "out.json", tmp_path / "hits.png"
+    argv = [
+        "--workload", "fewshot", "--requests", "300", "--capacity-fraction", "0.1,0.2",
+        "--lower-tiers", "1,2",
+        "--variant", "lru", "kvcache.policy=lru",
+        "--variant", "write-all", "kvcache.policy=hotprefix", "kvcache.hotprefix.admission=false",
+        "--json", str(out), "--plot", str(png),
+    ]  # fmt: skip
+    assert cache_sim.main(argv) == 0
+    report = json.loads(out.read_text())
+    distinct = report["distinct_blocks"]
+    sizes = [r["capacity_blocks"] for r in report["results"]]
+    engine = round(0.1 * distinct)
+    assert sizes[0] == [engine, engine, 2 * engine]
+    assert [r["policy"] for r in report["results"]] == ["lru", "write-all"] * 2
+    assert report["results"][1]["blocks_written"] > 0
+    assert png.stat().st_size > 0
+    assert "write-all" in capsys.readouterr().out
+
+
+def test_fewshot_prefixes_are_shared_long_tailed_and_questions_unique() -> None:
+    requests = FewshotWorkload().generate(2000, rate=10.0, seed=1)
+    heads = [r.segments[0] for r in requests]
+    counts = sorted((heads.count(h) for h in set(heads)), reverse=True)
+    assert len(counts) <= 57 and counts[0] > 5 * counts[len(counts) // 2]
+    assert len({r.segments[1] for r in requests}) == len(requests)
+    assert all(300 <= h.num_tokens <= 1200 for h in heads)
+    assert {r.output_tokens for r in requests} == {1}
+
+
+def test_bad_arguments_are_refused(tmp_path: Path) -> None:
+    trace = write(tmp_path / "mc.jsonl", MOONCAKE)
+    with pytest.raises(SystemExit):
+        cache_sim.main(["--trace", str(trace), "--capacity-blocks", "0,4"])
+    with pytest.raises(SystemExit):
+        cache_sim.main(["--trace", str(trace), "--capacity-blocks", "4", "--policies", "fifo"])
