@@ -359,11 +359,6 @@ class PrefixmeshPolicy:
         once its holders are slower than a full recompute). Only what the group's prompts
         share is credited: a run one replica holds deeper than that is this prompt's own
         history (a conversation, Mooncake's sessions), which other members would recompute."""
-        longest = 0
-        for hit in hits.values():
-            confirmed = hit.num_blocks - hit.num_speculative
-            if confirmed > longest:
-                longest = confirmed
         group_blocks = self._group_blocks
         hashes = request.key.block_hashes
         group = hashes[group_blocks - 1]
@@ -372,15 +367,25 @@ class PrefixmeshPolicy:
             recent = self._group_prompts[group] = deque(maxlen=_GROUP_PROMPTS)
             if len(self._group_prompts) > self.config.affinity_max_groups:
                 del self._group_prompts[next(iter(self._group_prompts))]
-        shared = longest
+        shared = len(hashes)
         for other in recent:
-            common = _common_blocks(hashes, other, shared)
-            if common < shared:
-                shared = common
+            shared = _common_blocks(hashes, other, shared)
         recent.append(hashes)
         if len(recent) < 2 or shared < group_blocks:
             return None
-        return members, shared
+        # Credited only as far as some replica holds it confirmed: the longest such run, when
+        # it is shorter (the scan stops at the first holder of the whole shared part).
+        longest = 0
+        for hit in hits.values():
+            confirmed = hit.num_blocks - hit.num_speculative
+            if confirmed >= shared:
+                longest = shared
+                break
+            if confirmed > longest:
+                longest = confirmed
+        if longest < group_blocks:
+            return None
+        return members, longest
 
     # ---- delay-hit deferral ------------------------------------------------------------------
 
