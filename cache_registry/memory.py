@@ -117,17 +117,23 @@ class RegistryState:
         blocks = self.blocks
         segments: list[RunSegment] = []
         previous: tuple[int, int, int, int] | None = None
+        previous_tiers: list[int] | None = None  # the run's tiers while it has no guesses
         run = 0
         for block in key.block_hashes:
             entry = blocks.get(block)
             if entry is None:
                 break
-            gpu, cpu, disk = entry.tiers
+            tiers = entry.tiers
+            if not entry.speculative and tiers == previous_tiers:
+                run += 1  # the common case, a long run of equal holders: no tuple built
+                continue
+            gpu, cpu, disk = tiers
             speculative = entry.live_speculative(now) if entry.speculative else 0
             signature = (gpu, cpu, disk, speculative)
             if signature == previous:
                 run += 1
                 continue
+            previous_tiers = None if speculative else [gpu, cpu, disk]
             held = (gpu | cpu | disk | speculative) & alive
             if not held:
                 break
