@@ -141,6 +141,10 @@ class BucketQueues:
                     yield bucket, block
                     break
 
+    def queues(self) -> Iterator[tuple[Hashable, OrderedDict[BlockHash, None]]]:
+        """Each non-empty bucket with its queue, least recent first (read only)."""
+        return iter(self._queues.items())
+
     def order(self, bucket: Hashable) -> list[BlockHash]:
         """``bucket``'s blocks, least recent first (tests, reports)."""
         return list(self._queues.get(bucket, ()))

@@ -25,7 +25,7 @@ eviction, selective admission to the lower tier, periodic promotion.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterator, Sequence
 from typing import cast
 
 from prefixmesh.cache_registry.types import BlockHash
@@ -41,20 +41,6 @@ from prefixmesh.replica.kvcache.policy.formula import check_grows_with_clock, co
 
 _PRUNE_TO = 0.75
 """A prune of hotness records keeps this fraction of ``max_tracked_blocks``."""
-
-
-class _Excluding:
-    """``pinned`` plus the blocks a promotion plan chose or passed over (for ``victim``)."""
-
-    __slots__ = ("chosen", "pinned", "skipped")
-
-    def __init__(self, pinned: Container[BlockHash]) -> None:
-        self.pinned = pinned
-        self.chosen: set[BlockHash] = set()
-        self.skipped: set[BlockHash] = set()
-
-    def __contains__(self, block: object) -> bool:
-        return block in self.chosen or block in self.skipped or block in self.pinned
 
 
 class HotPrefixPolicy:
@@ -184,44 +170,55 @@ class HotPrefixPolicy:
         candidates = heapq.nlargest(
             config.promotion_max_blocks, self._roots, key=lambda b: (hot(b), b)
         )
-        excluded = _Excluding(pinned)
+        coldest = self.eviction_stream(ENGINE_TIER, pinned)
+        chosen: set[BlockHash] = set()
         drop = config.promotion_victims == "drop"
         plan: list[Promotion] = []
+        victim = next(coldest, None)
         for block in candidates:
             heat = hot(block)
-            if heat == 0:
-                break
             parent = self._parent[block]
-            if parent in excluded.chosen:
+            if parent in chosen:
                 continue  # its parent leaves the engine tier in this plan
-            victim = self._coldest_leaf(excluded, heat, parent)
-            if victim is None:
+            while victim is not None and (victim == parent or not self._leaf(victim, chosen)):
+                # The root's own parent, or a block with a child in the engine tier (possible
+                # once an older record was forgotten): look further.
+                victim = next(coldest, None)
+            if victim is None or hot(victim) >= heat:
                 break  # every engine-tier leaf left is at least as hot: so for colder roots
-            excluded.chosen.add(victim)
+            chosen.add(victim)
             plan.append(Promotion(block, self._tier_of[block], (victim,), drop_victims=drop))
+            victim = next(coldest, None)
         return plan
 
-    def _coldest_leaf(
-        self, excluded: _Excluding, heat: float, parent: BlockHash | None
-    ) -> BlockHash | None:
-        """The next engine-tier leaf in eviction order other than ``parent``, if colder than
-        ``heat`` (Eq. 6)."""
-        passed: list[BlockHash] = []
-        try:
-            while True:
-                victim = self.victim(ENGINE_TIER, excluded)
-                if victim is None or self.hotness(victim) >= heat:
-                    return None
-                if victim != parent and not any(
-                    self._tier_of[c] == ENGINE_TIER for c in self._children.get(victim, ())
-                ):
-                    return victim
-                # A parent with a child in the engine tier (possible only once an older
-                # record was forgotten), or the root's own parent: look further.
-                excluded.skipped.add(victim)
-                passed.append(victim)
-        finally:
-            excluded.skipped.difference_update(passed)
+    def eviction_stream(self, tier: int, pinned: Container[BlockHash]) -> Iterator[BlockHash]:
+        """``tier``'s unpinned blocks in eviction order, lazily (a merge of the frequency
+        buckets, each already in order); the tier must not change while it is consumed."""
+        length, max_age, tick, last = self._length, self.config.max_age, self._tick, self._last_tick
+        priority = self._priority
+        heap: list[tuple[float, int, int, BlockHash, Iterator[BlockHash]]] = []
+
+        def push(freq: int, blocks: Iterator[BlockHash]) -> None:
+            for block in blocks:
+                if block not in pinned:
+                    clock = max(0, max_age - (tick - last[block]))
+                    key = priority(freq, clock, length)
+                    heapq.heappush(heap, (key, freq, len(heap), block, blocks))
+                    return
+
+        for bucket, blocks in self._tiers[tier].queues():
+            push(cast(int, bucket), iter(blocks))
+        while heap:
+            _, freq, _, block, blocks = heapq.heappop(heap)
+            yield block
+            push(freq, blocks)
+
+    def _leaf(self, block: BlockHash, leaving: set[BlockHash]) -> bool:
+        """No child of ``block`` stays in the engine tier."""
+        return not any(
+            self._tier_of[c] == ENGINE_TIER and c not in leaving
+            for c in self._children.get(block, ())
+        )
 
     # ---- bookkeeping ---------------------------------------------------------------------------
 

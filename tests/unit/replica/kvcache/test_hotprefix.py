@@ -158,3 +158,16 @@ def test_records_of_blocks_no_tier_holds_are_pruned_coldest_first() -> None:
     use(policy, [5])  # 5 records > 4: keep 3, never the held block 1
     assert policy.frequency(BlockHash(1)) == 2
     assert [policy.frequency(BlockHash(b)) for b in (2, 3, 4, 5)] == [0, 0, 1, 1]
+
+
+def test_the_eviction_stream_is_the_eviction_order() -> None:
+    policy = hotprefix(max_age=6)
+    held: set[int] = set()
+    for blocks in ([1, 2, 3], [1, 2], [4], [5, 6], [1], [5]):
+        use(policy, blocks, resident=held)
+    order = eviction_order(policy)
+    # at tick 6: 3 = 1 + 1, 4 = 1 + 3, 2 = 2 + 2, 6 = 1 + 4, 5 = 2 + 6, 1 = 3 + 5
+    # (equal priorities: the lower frequency first)
+    assert order == [3, 4, 2, 6, 5, 1]
+    assert [int(b) for b in policy.eviction_stream(0, set())] == order
+    assert [int(b) for b in policy.eviction_stream(0, {BlockHash(4)})] == [3, 2, 6, 5, 1]
