@@ -107,6 +107,8 @@ class PrefixmeshPolicy:
             min_requests=config.affinity_min_requests,
         )
         self.ring = ReplicaRing(config.ring_vnodes)
+        self._ring_version = -1
+        """The fleet version (``TtftModel.prepare``) the ring was last synced to."""
         self._reference: tuple[float, float] | None = None
         """(mean peak prefill tokens/s, mean decode step s) of the fleet at the last decision:
         the "average replica" that ``traffic_weight`` counts busy-seconds of."""
@@ -196,7 +198,8 @@ class PrefixmeshPolicy:
             # per-snapshot terms (``TtftModel.estimate``) valid across decisions.
             if abs(learned - self.model.running_cost) > _RUNNING_COST_STEP * learned:
                 self.model.running_cost = learned
-        members = self._members(request, replicas, view, now_s)
+        fleet_version = self.model.prepare(replicas)
+        members = self._members(request, replicas, view, now_s, fleet_version)
         credit = None if members is None else self._credit(request, view.hits, members)
         estimates = self.model.estimate(request, replicas, view.hits, price, credit)
         backlog_s = estimates.least_backlog_s
@@ -327,6 +330,7 @@ class PrefixmeshPolicy:
         replicas: Sequence[ReplicaSnapshot],
         view: RegistryView,
         now_s: float,
+        fleet_version: int,
     ) -> tuple[int, ...] | None:
         """Positions of the request's hot group's k ring members (None: no hot group)."""
         if not self.config.affinity_enabled:
@@ -342,7 +346,9 @@ class PrefixmeshPolicy:
         if k > len(replicas):
             k = len(replicas)
         ring = self.ring
-        ring.sync(tuple(map(_replica_id, replicas)))
+        if fleet_version != self._ring_version:  # the candidates' ids or order changed
+            ring.sync(tuple(map(_replica_id, replicas)))
+            self._ring_version = fleet_version
         return ring.member_positions(group, k)
 
     def _credit(

@@ -168,6 +168,14 @@ class TtftModel:
         self.running_cost = 1.0
         """Step time a running request adds, in token computes (set from ``DecodeCost``)."""
         self._terms = _ReplicaTerms(min_prefill_share, queue_externality)
+        self._prepared: Sequence[ReplicaSnapshot] | None = None
+
+    def prepare(self, replicas: Sequence[ReplicaSnapshot]) -> int:
+        """Bring the per-snapshot terms up to date for this decision's candidates (the next
+        ``estimate`` with this very list skips it); returns the fleet version, which changes
+        whenever the candidates' ids or order do (what a ring over them must follow)."""
+        self._prepared = replicas
+        return self._terms.update(replicas, self.running_cost).fleet_version
 
     def held(
         self, hit: PrefixHit, capacity: ReplicaCapacity, key_blocks: int
@@ -281,7 +289,10 @@ class TtftModel:
         are not the very objects of the previous call: adapters hand over the same frozen
         snapshot while a replica's load is unchanged, and between two decisions only a few
         replicas' loads change (the one just routed to, the reports that came in)."""
-        terms = self._terms.update(replicas, self.running_cost)
+        if replicas is self._prepared:
+            terms, self._prepared = self._terms, None
+        else:
+            terms = self._terms.update(replicas, self.running_cost)
         prompt = request.prompt_tokens if request.prompt_tokens > 0 else 0
         least_uncached = 1 if prompt else 0  # vLLM always computes the last token
         count = len(replicas)
@@ -367,6 +378,7 @@ class _ReplicaTerms:
         "backlogs",
         "cost_terms",
         "ext",
+        "fleet_version",
         "min_share",
         "position",
         "running_cost",
@@ -383,6 +395,8 @@ class _ReplicaTerms:
         self.waits: list[float] = []
         self.backlogs: list[float] = []
         self.position: dict[ReplicaId, int] = {}
+        self.fleet_version = 0
+        """Bumped whenever the candidates' ids or their order change."""
 
     def update(self, replicas: Sequence[ReplicaSnapshot], running_cost: float) -> _ReplicaTerms:
         known = self.snapshots
@@ -397,6 +411,9 @@ class _ReplicaTerms:
                 self._fill(changed)
                 return self
         # Another running cost, fleet or order: start over.
+        ids = [s.replica_id for s in replicas]
+        if ids != [s.replica_id for s in known]:
+            self.fleet_version += 1
         self.running_cost = running_cost
         self.snapshots = list(replicas)
         self.cost_terms = [_NO_TERMS] * count
