@@ -305,22 +305,35 @@ class TtftModel:
             block_size = self.block_size
             cpu_discount = 1.0 - self.cpu_fallback_credit
             position = terms.position
+            # Registry lookups hand every replica with the same row the same PrefixHit (on a
+            # hot prefix, dozens of holders share one or two): an all-GPU hit, whose uncached
+            # count does not depend on the replica, is worked out once per run of one object.
+            same_hit: PrefixHit | None = None
+            same_uncached = 0
             for replica_id, hit in hits.items():
                 index = position.get(replica_id)
+                if index is None:
+                    continue
+                if hit is same_hit:
+                    holders.append((index, hit, same_uncached))
+                    uncached_at[index] = same_uncached
+                    continue
                 held_blocks = hit.num_blocks
-                if index is None or held_blocks <= 0:
+                if held_blocks <= 0:
                     continue
                 _, cpu, disk = hit.blocks_by_tier
                 load_s = 0.0
+                shared = False
                 if disk or held_blocks > key_blocks or cpu > held_blocks:
                     saved, load_s = self.held(hit, replicas[index].capacity, key_blocks)
                     uncached = int(prompt - saved + 0.5)
                 elif not cpu:  # all in GPU memory: the common hit
                     uncached = prompt - held_blocks * block_size
+                    shared = True
                 elif (cpu_load := replicas[index].capacity.cpu_load_s_per_block) > 0:
                     uncached = prompt - held_blocks * block_size
                     load_s = cpu * cpu_load
-                else:  # CPU blocks, credited
+                else:  # CPU blocks, credited (on this replica: another may load them)
                     uncached = int(prompt - (held_blocks - cpu * cpu_discount) * block_size + 0.5)
                 if uncached < least_uncached:
                     uncached = least_uncached
@@ -328,6 +341,8 @@ class TtftModel:
                 if hit.num_speculative > 0:
                     any_speculative = True
                 uncached_at[index] = uncached
+                if shared:
+                    same_hit, same_uncached = hit, uncached
                 if load_s:
                     if load_at is None:
                         load_at = [0.0] * count

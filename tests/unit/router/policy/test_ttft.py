@@ -111,6 +111,11 @@ def test_bulk_estimate_matches_the_term_by_term_one() -> None:
             )
             for i in rng.sample(range(6), 3)
         }
+        # A registry hands replicas with equal rows one shared PrefixHit (estimate reuses
+        # the work for an all-GPU one, and must not for one whose CPU blocks load differently).
+        shared = hit(gpu=rng.randrange(1, 30), cpu=rng.choice([0, 0, 2]))
+        for i in rng.sample(range(6), rng.randrange(4)):
+            hits[ReplicaId(f"r{i}")] = shared
         bulk = tiny.estimate(req, replicas, hits, work_price=0.5)
         for i, replica in enumerate(replicas):
             one = tiny.explain(req, replica, hits.get(replica.replica_id))
