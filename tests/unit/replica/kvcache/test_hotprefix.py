@@ -98,7 +98,9 @@ def test_admission_needs_the_threshold_and_more_heat_than_the_displaced_block() 
 
 def _with_hot_block_below(**overrides: object) -> HotPrefixPolicy:
     """Engine tier: 1 (hot), 5 (cold); block 2 (hot, child of 1) in the lower tier."""
-    policy = hotprefix(max_age=10, **overrides)
+    settings: dict[str, object] = {"max_age": 10, "promotion": True}
+    settings.update(overrides)
+    policy = hotprefix(**settings)
     held: set[int] = set()
     for _ in range(4):
         use(policy, [1, 2], resident=held)  # ticks 1-4: 1 and 2 have frequency 4
@@ -122,7 +124,7 @@ def test_promotion_swaps_a_hot_lower_root_for_a_colder_engine_leaf() -> None:
 def test_promotion_waits_for_its_interval_and_needs_a_colder_victim() -> None:
     policy = _with_hot_block_below(promotion_interval_requests=2)  # 5 requests so far
     assert policy.promotions(set()) == ()
-    cold_below = hotprefix(max_age=10)
+    cold_below = hotprefix(max_age=10, promotion=True)
     held: set[int] = set()
     use(cold_below, [1, 2], resident=held)
     cold_below.on_remove(0, BlockHash(2), dropped=False)

@@ -98,7 +98,7 @@ def test_promotion_moves_a_hot_block_up_and_drops_or_demotes_its_victim() -> Non
     def run(victims: str) -> TieredCacheSim:
         config = HotPrefixConfig(
             max_age=10, aging_interval_requests=1, length_unit="blocks", freq_threshold=1,
-            promotion_victims=victims,
+            promotion=True, promotion_victims=victims,
         )  # fmt: skip
         clock = ManualClock()
         sim = TieredCacheSim((2, 2), HotPrefixPolicy(config, block_tokens=16), clock)
