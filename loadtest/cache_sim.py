@@ -324,7 +324,7 @@ def plot_results(replay: Replay, rows: Sequence[dict[str, Any]], path: Path) -> 
     hit_ax.grid(True, alpha=0.3)
     hit_ax.legend(fontsize="small")
     write_ax.set_xlabel("engine-tier capacity (blocks)")
-    write_ax.set_ylabel("blocks written to lower tiers")
+    write_ax.set_ylabel("blocks written to lower tiers (0 drawn as 1)")
     write_ax.set_yscale("log")
     write_ax.set_title("writes to lower tiers")
     write_ax.grid(True, which="both", alpha=0.3)
