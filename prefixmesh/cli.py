@@ -31,6 +31,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixmesh.loadtest.freshness",
         "lag from a replica storing or evicting blocks to the Redis registry showing it",
     ),
+    "kernels-bench": (
+        "prefixmesh.kernels.bench",
+        "GPU: KV block gather/scatter vs per-block copies vs the pinned-copy ceiling (GB/s)",
+    ),
     "policy-bench": (
         "prefixmesh.router.policy.bench",
         "time of one routing decision per policy at 64 replicas",
