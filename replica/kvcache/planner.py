@@ -1,0 +1,281 @@
+"""The KV connector's scheduler-side brain (pure: no torch, no vLLM, no I/O): which blocks the
+lower tiers hold, which of a new request's blocks to load from them, and which computed blocks
+to write down, all decided by one ``CachePolicy``.
+
+The lower tiers are inclusive of the engine's own cache: a block is written to the CPU tier
+while the engine still holds it (write-through, gated by admission), because vLLM frees an
+engine block without asking anyone, so there is no later moment to save it. CPU and disk are
+exclusive of each other: a CPU victim moves down to disk when the policy admits it there, else
+it is dropped; a disk block that the policy admits to the CPU tier again is written there from
+the engine copy its load just made, and leaves the disk (promotion). The engine tier itself is
+vLLM's; the policy sees only tiers 1 (CPU) and 2 (disk).
+
+Each engine step the planner hands the worker one ``StepPlan``: the loads to run before the
+forward pass, and an ordered list of moves, drops and stores to run after it (stores read
+blocks the pass has just computed). Residency changes become tier-tagged events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
+from prefixmesh.replica.kvcache.policy.base import BlockRef, CachePolicy
+
+LOWER_TIERS: tuple[Tier, ...] = (Tier.CPU, Tier.DISK)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    """Copy ``block`` from ``tier`` into engine block ``engine_block`` before the forward."""
+
+    block: BlockHash
+    tier: Tier
+    engine_block: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreJob:
+    """Copy engine block ``engine_block`` (computed by now) into ``tier`` as ``block``."""
+
+    block: BlockHash
+    engine_block: int
+    tier: Tier = Tier.CPU
+
+
+@dataclass(frozen=True, slots=True)
+class MoveJob:
+    """Move ``block`` from the CPU tier down to the disk tier."""
+
+    block: BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class DropJob:
+    """Forget ``block`` in ``tier``."""
+
+    block: BlockHash
+    tier: Tier
+
+
+Job = StoreJob | MoveJob | DropJob
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    loads: tuple[LoadJob, ...] = ()
+    jobs: tuple[Job, ...] = ()
+    """In order, after the forward pass."""
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.jobs)
+
+
+@dataclass(frozen=True, slots=True)
+class TierChange:
+    """One residency change, for the cache events."""
+
+    kind: EventKind
+    tier: Tier
+    blocks: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCosts:
+    """What a load saves and costs, from measured rates."""
+
+    block_tokens: int
+    page_bytes: int
+    prefill_tokens_per_s: float
+    read_bytes_per_s: dict[Tier, float]
+
+    def saving_s(self, tier: Tier) -> float:
+        """Recompute time minus load time of one block from ``tier`` (> 0: load it)."""
+        return (
+            self.block_tokens / self.prefill_tokens_per_s
+            - self.page_bytes / self.read_bytes_per_s[tier]
+        )
+
+
+@dataclass(slots=True)
+class _Counters:
+    loads: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in LOWER_TIERS})
+    stores: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in LOWER_TIERS})
+    moves: int = 0
+    drops: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in LOWER_TIERS})
+    rejected: int = 0
+    promotions: int = 0
+    loads_declined: int = 0
+
+
+class TierPlanner:
+    def __init__(
+        self, policy: CachePolicy, capacity_blocks: dict[Tier, int], costs: LoadCosts
+    ) -> None:
+        self.policy = policy
+        self.capacity = {t: max(0, int(capacity_blocks.get(t, 0))) for t in LOWER_TIERS}
+        self.costs = costs
+        self._tier: dict[BlockHash, Tier] = {}
+        self._ref: dict[BlockHash, BlockRef] = {}
+        self._size = {t: 0 for t in LOWER_TIERS}
+        self._pinned: set[BlockHash] = set()
+        self._loads: list[LoadJob] = []
+        self._jobs: list[Job] = []
+        self._changes: list[TierChange] = []
+        self.counters = _Counters()
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def tier_of(self, block: BlockHash) -> Tier | None:
+        return self._tier.get(block)
+
+    def size(self, tier: Tier) -> int:
+        return self._size[tier]
+
+    def blocks_in(self, tier: Tier) -> list[BlockHash]:
+        return [b for b, t in self._tier.items() if t == tier]
+
+    def restore(self, tier: Tier, blocks: Iterable[BlockHash]) -> None:
+        """Blocks a tier already holds at start (the disk index, oldest first); past the
+        capacity the oldest are dropped. Parents are unknown after a restart."""
+        for block in blocks:
+            if block in self._tier:
+                continue
+            ref = BlockRef(block, None, 0)
+            if self._size[tier] >= self.capacity[tier] and not self._evict_for(tier, ref):
+                self._jobs.append(DropJob(block, tier))
+                continue
+            self._insert(tier, ref)
+
+    # ---- a new request -------------------------------------------------------------------------
+
+    def on_request(self, refs: Sequence[BlockRef], category: str = "") -> None:
+        """A request arrived with these full prompt blocks: hotness, then recency."""
+        self.policy.on_request(refs, category)
+        self.touch(refs)
+
+    def touch(self, refs: Sequence[BlockRef]) -> None:
+        """``refs`` (one request's blocks) were just used: the held ones become the most
+        recent, the deepest first to go (a block is worthless without its parent)."""
+        for tier in LOWER_TIERS:
+            held = [ref for ref in refs if self._tier.get(ref.block) == tier]
+            if held:
+                self.policy.touch(tier, held)
+
+    def match(self, blocks: Sequence[BlockHash], start: int, limit: int) -> int:
+        """How many blocks from index ``start`` (the engine's own hit) to load: the longest
+        run the lower tiers hold, cut where loading the rest no longer beats recomputing it
+        (at most ``limit`` blocks in all: vLLM computes at least the prompt's last token)."""
+        best = run = 0
+        saved = best_saved = 0.0
+        for block in blocks[start:limit]:
+            tier = self._tier.get(block)
+            if tier is None:
+                break
+            run += 1
+            saved += self.costs.saving_s(tier)
+            if saved > best_saved:
+                best, best_saved = run, saved
+        if run > best:
+            self.counters.loads_declined += run - best
+        return best
+
+    def plan_loads(self, blocks: Sequence[BlockHash], engine_blocks: Sequence[int]) -> None:
+        """Load ``blocks`` into ``engine_blocks`` this step (after ``match`` said so)."""
+        for block, engine_block in zip(blocks, engine_blocks, strict=True):
+            tier = self._tier.get(block)
+            if tier is None:  # evicted since match: vLLM recomputes it (reported as failed)
+                raise KeyError(f"block {block:016x} left the lower tiers before its load")
+            self._loads.append(LoadJob(block, tier, engine_block))
+            self._pinned.add(block)
+            self.counters.loads[tier] += 1
+
+    # ---- computed blocks -----------------------------------------------------------------------
+
+    def offer(self, ref: BlockRef, engine_block: int) -> None:
+        """The engine holds ``ref`` in ``engine_block`` at the end of this step: write it to
+        the CPU tier if it is not there and the policy admits it; straight to disk when the
+        CPU tier has no room this step (a prompt longer than the tier)."""
+        tier = self._tier.get(ref.block)
+        if tier is Tier.CPU:
+            return
+        self._pinned.add(ref.block)  # never its own victim on the way down
+        if self._admit(Tier.CPU, ref):
+            if tier is Tier.DISK:  # promoted: the engine copy goes up, the disk copy goes
+                self._remove(Tier.DISK, ref.block, dropped=False)
+                self._jobs.append(DropJob(ref.block, Tier.DISK))
+                self.counters.promotions += 1
+            self._store(Tier.CPU, ref, engine_block)
+        elif tier is None and self._admit(Tier.DISK, ref):
+            self._store(Tier.DISK, ref, engine_block)
+        elif tier is None:
+            self.counters.rejected += 1
+
+    def _store(self, tier: Tier, ref: BlockRef, engine_block: int) -> None:
+        self._insert(tier, ref)
+        self._jobs.append(StoreJob(ref.block, engine_block, tier))
+        self.counters.stores[tier] += 1
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def take_plan(self) -> StepPlan:
+        plan = StepPlan(tuple(self._loads), tuple(self._jobs))
+        self._loads.clear()
+        self._jobs.clear()
+        self._pinned.clear()
+        return plan
+
+    def take_changes(self) -> list[TierChange]:
+        changes, self._changes = self._changes, []
+        return changes
+
+    def forget_failed(self, blocks: Iterable[BlockHash], tier: Tier) -> None:
+        """The worker found these unreadable (a corrupt or vanished file): they are gone."""
+        for block in blocks:
+            if self._tier.get(block) == tier:
+                self._remove(tier, block, dropped=True)
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _admit(self, tier: Tier, ref: BlockRef) -> bool:
+        """Room is made in ``tier`` for ``ref`` if the policy admits it there."""
+        if self.capacity[tier] == 0:
+            return False
+        if self._size[tier] < self.capacity[tier]:
+            return self.policy.admit(tier, ref.block, None)
+        return self._evict_for(tier, ref)
+
+    def _evict_for(self, tier: Tier, ref: BlockRef) -> bool:
+        displaced = self.policy.victim(tier, self._pinned)
+        if displaced is None or not self.policy.admit(tier, ref.block, displaced):
+            return False
+        self._demote(tier, displaced)
+        return True
+
+    def _demote(self, tier: Tier, block: BlockHash) -> None:
+        """``block`` leaves ``tier``: down to disk if the policy takes it there, else gone."""
+        if tier is Tier.CPU and self._admit(Tier.DISK, self._ref[block]):
+            self._remove(tier, block, dropped=False)
+            self._insert(Tier.DISK, self._ref[block])
+            self._jobs.append(MoveJob(block))
+            self.counters.moves += 1
+            return
+        self._remove(tier, block, dropped=True)
+        self._jobs.append(DropJob(block, tier))
+        self.counters.drops[tier] += 1
+
+    def _insert(self, tier: Tier, ref: BlockRef) -> None:
+        self._tier[ref.block] = tier
+        self._ref[ref.block] = ref
+        self._size[tier] += 1
+        self.policy.on_insert(tier, ref)
+        self._changes.append(TierChange(EventKind.STORED, tier, (ref.block,)))
+
+    def _remove(self, tier: Tier, block: BlockHash, *, dropped: bool) -> None:
+        del self._tier[block]
+        self._size[tier] -= 1
+        self.policy.on_remove(tier, block, dropped)
+        if dropped:
+            del self._ref[block]
+        self._changes.append(TierChange(EventKind.REMOVED, tier, (block,)))
