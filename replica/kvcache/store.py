@@ -1,0 +1,146 @@
+"""The KV connector's worker side: the block data of the lower tiers, and the copies between
+them and the engine's paged KV cache, as the planner's ``StepPlan`` says.
+
+The CPU tier is one preallocated slab of pages (pinned on CUDA machines, so copies to and from
+the GPU run at link speed), ``[capacity, num_layers, *page_shape]`` in the page-first layout of
+``prefixmesh.kernels``; a block is a slot in it. The disk tier is ``DiskTier`` (one file a
+block, written in the background). Every multi-block transfer goes through
+``gather_blocks`` / ``scatter_blocks``: one gather of all the step's stored blocks into a
+staging buffer and one slab write, one slab read and one scatter for all the step's loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from prefixmesh.cache_registry.types import BlockHash, Tier
+from prefixmesh.kernels.ops import PagedKVCache, gather_blocks, scatter_blocks
+from prefixmesh.replica.kvcache.disk import DiskTier
+from prefixmesh.replica.kvcache.planner import DropJob, Job, LoadJob, MoveJob, StoreJob
+
+logger = logging.getLogger(__name__)
+
+
+class TierStore:
+    def __init__(
+        self, cache: PagedKVCache, cpu_capacity_blocks: int, disk: DiskTier | None
+    ) -> None:
+        self.cache = cache
+        layout = cache.layout
+        self._page_shape = (layout.num_layers, *layout.page_shape)
+        pin = layout.device.type == "cuda"
+        self._slab = torch.empty(
+            (max(0, cpu_capacity_blocks), *self._page_shape), dtype=layout.dtype, pin_memory=pin
+        )
+        self._slot: dict[BlockHash, int] = {}
+        self._free = list(range(cpu_capacity_blocks - 1, -1, -1))
+        self.disk = disk
+        self.page_bytes = layout.page_bytes * layout.num_layers
+
+    @property
+    def cpu_blocks(self) -> int:
+        return len(self._slot)
+
+    def holds(self, tier: Tier, block: BlockHash) -> bool:
+        return tier is Tier.CPU and block in self._slot
+
+    # ---- before the forward pass ---------------------------------------------------------------
+
+    def load(self, loads: Sequence[LoadJob]) -> list[LoadJob]:
+        """Write each job's block into its engine block; returns the jobs that failed (a block
+        the worker does not have, a corrupt or missing file), whose engine blocks vLLM must
+        recompute."""
+        failed: list[LoadJob] = []
+        cpu = [job for job in loads if job.tier is Tier.CPU]
+        disk = [job for job in loads if job.tier is Tier.DISK]
+        if cpu:
+            present = [job for job in cpu if job.block in self._slot]
+            failed += [job for job in cpu if job.block not in self._slot]
+            if present:
+                slots = torch.tensor([self._slot[job.block] for job in present])
+                pages = self._slab.index_select(0, slots)
+                self._scatter([job.engine_block for job in present], pages)
+        if disk:
+            if self.disk is None:
+                return failed + disk
+            pages = torch.empty((len(disk), *self._page_shape), dtype=self._slab.dtype)
+            _, ok = self.disk.get([job.block for job in disk], _as_bytes(pages))
+            good = [i for i, fine in enumerate(ok) if fine]
+            failed += [job for job, fine in zip(disk, ok, strict=True) if not fine]
+            if good:
+                index = torch.tensor(good)
+                self._scatter([disk[i].engine_block for i in good], pages.index_select(0, index))
+        return failed
+
+    def _scatter(self, engine_blocks: list[int], pages: torch.Tensor) -> None:
+        device = self.cache.layout.device
+        scatter_blocks(self.cache, engine_blocks, pages.to(device, non_blocking=True))
+
+    # ---- after the forward pass ----------------------------------------------------------------
+
+    def run(self, jobs: Sequence[Job]) -> None:
+        """Moves, drops and stores in plan order; consecutive stores to one tier share one
+        gather."""
+        stores: list[StoreJob] = []
+        for job in jobs:
+            if isinstance(job, StoreJob) and (not stores or stores[0].tier is job.tier):
+                stores.append(job)
+                continue
+            self._store(stores)
+            stores = []
+            if isinstance(job, StoreJob):
+                stores.append(job)
+            elif isinstance(job, MoveJob):
+                self._move(job.block)
+            elif isinstance(job, DropJob):
+                self._drop(job)
+        self._store(stores)
+
+    def _store(self, stores: list[StoreJob]) -> None:
+        if not stores:
+            return
+        if stores[0].tier is Tier.DISK:
+            if self.disk is not None:
+                staged = gather_blocks(self.cache, [job.engine_block for job in stores])
+                self.disk.put([job.block for job in stores], _as_bytes(staged.to("cpu")))
+            return
+        fresh = [job for job in stores if job.block not in self._slot]
+        if len(fresh) > len(self._free):
+            logger.error("CPU tier out of slots (%d free for %d)", len(self._free), len(fresh))
+            fresh = fresh[: len(self._free)]
+        if not fresh:
+            return
+        staged = gather_blocks(self.cache, [job.engine_block for job in fresh])
+        slots = [self._free.pop() for _ in fresh]
+        self._slab.index_copy_(0, torch.tensor(slots), staged.to("cpu"))
+        for job, slot in zip(fresh, slots, strict=True):
+            self._slot[job.block] = slot
+
+    def _move(self, block: BlockHash) -> None:
+        slot = self._slot.pop(block, None)
+        if slot is None:
+            return
+        if self.disk is not None:
+            # DiskTier copies the page before it returns, so the slot can be reused at once.
+            self.disk.put([block], _as_bytes(self._slab[slot : slot + 1]))
+        self._free.append(slot)
+
+    def _drop(self, job: DropJob) -> None:
+        if job.tier is Tier.CPU:
+            slot = self._slot.pop(job.block, None)
+            if slot is not None:
+                self._free.append(slot)
+        elif self.disk is not None:
+            self.disk.remove([job.block])
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+
+def _as_bytes(pages: torch.Tensor) -> torch.Tensor:
+    """``[n, ...]`` pages as ``[n, page_bytes]`` uint8 (a view: no copy)."""
+    return pages.view(torch.uint8).reshape(pages.shape[0], -1)
