@@ -25,6 +25,9 @@ from prefixmesh.replica.engines.base import BlockChange
 logger = logging.getLogger(__name__)
 
 _MEDIUM_TIERS = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "DISK": Tier.DISK}
+OWN_EVENTS = "prefixmesh"
+"""``ownership`` of the events our KV connector emits (replica/kvcache/connector.py): they name
+blocks by our own chained hashes, in the CPU or disk tier."""
 
 
 class VllmEventTranslator:
@@ -66,6 +69,8 @@ class VllmEventTranslator:
         return changes
 
     def _stored(self, event: Any) -> BlockChange | None:
+        if getattr(event, "ownership", None) == OWN_EVENTS:
+            return _own_change(EventKind.STORED, event)
         if event.block_size != self._hasher.block_size:
             raise ValueError(
                 f"engine block size {event.block_size} != cache.block_size "
@@ -90,6 +95,8 @@ class VllmEventTranslator:
         return BlockChange(EventKind.STORED, _MEDIUM_TIERS.get(event.medium, Tier.GPU), ours)
 
     def _removed(self, event: Any) -> BlockChange | None:
+        if getattr(event, "ownership", None) == OWN_EVENTS:
+            return _own_change(EventKind.REMOVED, event)
         ours = tuple(
             mine
             for theirs in event.block_hashes
@@ -98,6 +105,14 @@ class VllmEventTranslator:
         if not ours:
             return None
         return BlockChange(EventKind.REMOVED, _MEDIUM_TIERS.get(event.medium, Tier.GPU), ours)
+
+
+def _own_change(kind: EventKind, event: Any) -> BlockChange | None:
+    """An event of our KV connector: its hashes are ours already, its medium a lower tier."""
+    tier = _MEDIUM_TIERS.get(event.medium)
+    if tier is None or tier is Tier.GPU or not event.block_hashes:
+        return None
+    return BlockChange(kind, tier, tuple(BlockHash(int(h)) for h in event.block_hashes))
 
 
 class VllmEventStream:

@@ -22,12 +22,14 @@ class BlockStored:
     token_ids: list[int]
     block_size: int = 4
     medium: str | None = "GPU"
+    ownership: str | None = None
 
 
 @dataclass
 class BlockRemoved:
     block_hashes: list[bytes]
     medium: str | None = "GPU"
+    ownership: str | None = None
 
 
 class AllBlocksCleared:
@@ -117,3 +119,25 @@ def test_a_restarted_publisher_counting_from_zero_is_a_gap() -> None:
     stream.batch(1, [])
     assert [c.kind for c in stream.batch(0, [])] == [EventKind.CLEARED]
     assert stream.next_seq == 1
+
+
+def test_our_connectors_events_carry_our_hashes_and_their_tier() -> None:
+    """The KV connector names blocks by our own hashes (ownership "prefixmesh"): no token ids,
+    no parents, and the engine tier's map is left alone."""
+    translator = VllmEventTranslator(HASHER)
+    translator.translate([BlockStored([b"v0"], None, TOKENS[:4])])
+    ours = [int(h) for h in KEY[:2]]
+    own = "prefixmesh"
+    stored = BlockStored(ours, None, [], block_size=999, medium="CPU", ownership=own)
+    moved = [
+        BlockRemoved(ours[1:], medium="CPU", ownership=own),
+        BlockStored(ours[1:], None, [], medium="DISK", ownership=own),
+    ]
+    changes = translator.translate([stored, *moved, BlockRemoved(ours, "GPU", ownership=own)])
+    assert [(c.kind, c.tier, c.block_hashes) for c in changes] == [
+        (EventKind.STORED, Tier.CPU, KEY[:2]),
+        (EventKind.REMOVED, Tier.CPU, KEY[1:2]),
+        (EventKind.STORED, Tier.DISK, KEY[1:2]),
+    ]
+    assert translator.held_blocks() == KEY[:1]
+    assert translator.untranslatable == 0
