@@ -485,6 +485,24 @@ class KVCacheConfig(_Section):
     """Settings of the ``hotprefix`` policy."""
     workload: WorkloadAwareConfig = WorkloadAwareConfig()
     """Settings of the ``workload`` (workload-aware) policy."""
+    cpu_tier_gib: float = Field(default=0.0, ge=0)
+    """CPU-memory tier under each vLLM replica's own KV cache (our KV connector; pinned memory
+    on CUDA machines). 0 with ``disk_tier_gib`` 0: no connector."""
+    disk_tier_gib: float = Field(default=0.0, ge=0)
+    """Disk tier under the CPU tier, in ``disk_dir`` (0: none)."""
+    disk_dir: str = "~/.cache/prefixmesh/kv"
+    """Folder of the disk tier; one sub-folder per cache fingerprint and tensor-parallel rank,
+    kept across restarts (its index is rebuilt on start)."""
+    cpu_read_gb_per_s: float | None = Field(default=None, gt=0)
+    """Read bandwidth of the CPU tier used to decide load vs recompute (None: measured at start
+    with one large memory copy)."""
+    disk_read_gb_per_s: float | None = Field(default=None, gt=0)
+    """Read bandwidth of the disk tier (None: measured at start by reading a 32 MiB file back,
+    which the page cache may serve)."""
+
+    @property
+    def tiers_enabled(self) -> bool:
+        return self.cpu_tier_gib > 0 or self.disk_tier_gib > 0
 
 
 class PrefixmeshConfig(_Section):

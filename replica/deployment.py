@@ -56,6 +56,7 @@ def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any)
     hasher = make_hasher(config)
     if config.replica.engine == "vllm":
         from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
+        from prefixmesh.replica.kvcache.connector import connector_extra_config
 
         vllm = config.replica.vllm
         cores = os.cpu_count() or 1
@@ -71,6 +72,11 @@ def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any)
             prefill_tokens_per_s=vllm.prefill_tokens_per_s,
             decode_step_s=vllm.decode_step_s,
             calibrate=vllm.calibrate,
+            kv_connector_extra=(
+                connector_extra_config(config, vllm.prefill_tokens_per_s)
+                if config.kvcache.tiers_enabled
+                else None
+            ),
         )
         return VllmEngine(settings, hasher, sink)
     if config.replica.engine == "remote":

@@ -46,6 +46,9 @@ class VllmEngineSettings:
     """Used until (or instead of) the start-up calibration measures it."""
     decode_step_s: float = 0.005
     calibrate: bool = True
+    kv_connector_extra: dict[str, Any] | None = None
+    """Our KV connector's settings (``kvcache.connector_extra_config``); None: no CPU or disk
+    tier under the engine's own cache."""
 
 
 class _StatsCapture:
@@ -95,7 +98,7 @@ class VllmEngine:
     async def start(self) -> None:
         import zmq
         import zmq.asyncio
-        from vllm.config import KVEventsConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -109,6 +112,16 @@ class VllmEngine:
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.bind(endpoint)
         self._events_task = asyncio.get_running_loop().create_task(self._consume_events())
+        transfer = None
+        if s.kv_connector_extra is not None:
+            from prefixmesh.replica.kvcache.connector import CONNECTOR_MODULE, CONNECTOR_NAME
+
+            transfer = KVTransferConfig(
+                kv_connector=CONNECTOR_NAME,
+                kv_connector_module_path=CONNECTOR_MODULE,
+                kv_role="kv_both",
+                kv_connector_extra_config=s.kv_connector_extra,
+            )
         args = AsyncEngineArgs(
             model=s.model_path,
             tokenizer=s.model_path,
@@ -126,6 +139,7 @@ class VllmEngine:
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv"
             ),
+            kv_transfer_config=transfer,
         )
         self._engine = AsyncLLM.from_engine_args(
             args, stat_loggers=[_stat_logger_factory(self._stats)]

