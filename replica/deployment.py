@@ -268,6 +268,7 @@ class ReplicaServer:
             "engine_waiting_requests": load.waiting_requests,
             "prefix_cache_queries_tokens": load.prefix_cache_queries_tokens,
             "prefix_cache_hit_tokens": load.prefix_cache_hit_tokens,
+            "external_prefix_cache_hit_tokens": load.external_prefix_cache_hit_tokens,
             "holds": self.inflight.holds,
             "hold_timeouts": self.inflight.hold_timeouts,
             "published_events": self.publisher.published_events,

@@ -194,6 +194,12 @@ class EngineHost:
         samples: list[tuple[str, str, str, float]] = [
             ("vllm:prefix_cache_queries_total", "counter", vllm, load.prefix_cache_queries_tokens),
             ("vllm:prefix_cache_hits_total", "counter", vllm, load.prefix_cache_hit_tokens),
+            (
+                "vllm:external_prefix_cache_hits_total",
+                "counter",
+                vllm,
+                load.external_prefix_cache_hit_tokens,
+            ),
             ("vllm:num_requests_running", "gauge", vllm, load.running_requests),
             ("vllm:num_requests_waiting", "gauge", vllm, load.waiting_requests),
             ("vllm:kv_cache_usage_perc", "gauge", vllm, load.kv_usage),

@@ -43,6 +43,8 @@ class EngineLoad:
     """Fraction of the engine-tier KV cache in use."""
     prefix_cache_queries_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    external_prefix_cache_hit_tokens: int = 0
+    """Prompt tokens loaded from the lower tiers by our KV connector (not in the hits above)."""
     event_gaps: int = 0
     """Times the engine's own cache-event stream lost events and the replica's view was
     cleared (vLLM's numbered ZMQ batches)."""

@@ -57,6 +57,7 @@ class _StatsCapture:
     latest: Any = None
     queries = 0
     hits = 0
+    external_hits = 0
 
 
 def _stat_logger_factory(capture: _StatsCapture) -> Any:
@@ -72,6 +73,9 @@ def _stat_logger_factory(capture: _StatsCapture) -> Any:
                 stats = scheduler_stats.prefix_cache_stats
                 capture.queries += stats.queries
                 capture.hits += stats.hits
+                external = scheduler_stats.connector_prefix_cache_stats
+                if external is not None:
+                    capture.external_hits += external.hits
 
         def log_engine_initialized(self) -> None:
             pass
@@ -251,6 +255,7 @@ class VllmEngine:
             kv_usage=latest.kv_cache_usage,
             prefix_cache_queries_tokens=self._stats.queries,
             prefix_cache_hit_tokens=self._stats.hits,
+            external_prefix_cache_hit_tokens=self._stats.external_hits,
             event_gaps=self._events.gaps,
         )
 

