@@ -35,6 +35,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixmesh.kernels.bench",
         "GPU: KV block gather/scatter vs per-block copies vs the pinned-copy ceiling (GB/s)",
     ),
+    "tier-bench": (
+        "prefixmesh.replica.kvcache.bench",
+        "vLLM TTFT without and with the KV connector's CPU and disk tiers",
+    ),
     "policy-bench": (
         "prefixmesh.router.policy.bench",
         "time of one routing decision per policy at 64 replicas",

@@ -1,0 +1,226 @@
+"""``prefixmesh tier-bench``: TTFT of a vLLM engine without and with our KV connector's tiers.
+
+A workload that defeats the engine's own cache: ``--prefixes`` prompts of ``--prefix-tokens``
+tokens (random token ids, so nothing is shared between them), asked in turn, each with a fresh
+32-token question, for ``--rounds`` rounds, one request at a time; the engine's cache holds
+``--engine-prompts`` of them. Round 0 computes every prefix (the recompute cost); later rounds
+find it in the engine (never, with LRU and more prefixes than fit), the CPU tier or the disk
+tier. Each variant runs its own engine on the same prompts; TTFT is measured at the engine
+(``AsyncLLM`` in this process), without HTTP or Ray in the way.
+
+Variants: ``none`` (the engine's cache alone), ``cpu`` (a CPU tier that holds every prefix),
+``disk`` (a disk tier alone, so every later hit is a disk read). ``--drop-caches`` asks the
+kernel to drop its page cache before each disk-variant request (root only), so disk hits are
+real reads rather than page-cache copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prefixmesh.config import load_config
+
+QUESTION_TOKENS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class VariantResult:
+    variant: str
+    engine_blocks: int
+    cpu_tier_gib: float
+    disk_tier_gib: float
+    cold_ttft_ms: list[float]
+    """Round 0: every prefix computed."""
+    warm_ttft_ms: list[float]
+    """Rounds 1..: what the tiers (or the engine) give back."""
+    cached_tokens_mean: float
+    """Prompt tokens served from a cache in rounds 1.., per request."""
+    external_hit_tokens: int
+
+    @property
+    def cold_mean_ms(self) -> float:
+        return statistics.fmean(self.cold_ttft_ms)
+
+    @property
+    def warm_mean_ms(self) -> float:
+        return statistics.fmean(self.warm_ttft_ms)
+
+
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-size", choices=("tiny", "small"), default="small")
+    p.add_argument("--prefixes", type=int, default=16)
+    p.add_argument("--prefix-tokens", type=int, default=2048)
+    p.add_argument("--engine-prompts", type=int, default=4, help="engine cache size, in prompts")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", default="none,cpu,disk")
+    p.add_argument("--policy", default="lru", help="kvcache.policy of the connector")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--drop-caches", action="store_true")
+    p.add_argument("--disk-dir", default=None, help="default: a fresh temporary folder")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.prefix_tokens % args.block_size or args.prefix_tokens <= 0:
+        p.error("--prefix-tokens must be a positive multiple of --block-size")
+    if not set(args.variants.split(",")) <= {"none", "cpu", "disk"}:
+        p.error("--variants: a comma-separated subset of none,cpu,disk")
+    return args
+
+
+def _page_bytes(model_path: Path, block_size: int) -> int:
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_path)
+    head_dim = c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2 * block_size
+
+
+def _drop_page_cache() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+async def run_variant(
+    variant: str, args: argparse.Namespace, model_path: Path, disk_dir: Path
+) -> VariantResult:
+    from prefixmesh.cache_registry.factory import make_hasher
+    from prefixmesh.replica.engines.base import EngineRequest
+    from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
+    from prefixmesh.replica.kvcache.connector import connector_extra_config
+    from prefixmesh.wire import SamplingSettings
+
+    block = args.block_size
+    page = _page_bytes(model_path, block)
+    prompt_blocks = (args.prefix_tokens + QUESTION_TOKENS) // block + 1
+    engine_blocks = args.engine_prompts * prompt_blocks
+    all_prefixes_gib = args.prefixes * prompt_blocks * page / 2**30 * 1.1
+    cpu_gib = all_prefixes_gib if variant == "cpu" else 0.0
+    disk_gib = all_prefixes_gib if variant == "disk" else 0.0
+    cfg = load_config(
+        None,
+        {
+            "cache": {"block_size": block},
+            "kvcache": {
+                "policy": args.policy,
+                "cpu_tier_gib": cpu_gib,
+                "disk_tier_gib": disk_gib,
+                "disk_dir": str(disk_dir / variant),
+            },
+        },
+    )
+    # A generous prefill guess: loads are chosen only when they beat it (they do by far).
+    extra = connector_extra_config(cfg, 30_000.0) if cfg.kvcache.tiers_enabled else None
+    settings = VllmEngineSettings(
+        model_path=str(model_path),
+        block_size=block,
+        max_model_len=args.prefix_tokens + QUESTION_TOKENS + 64,
+        kv_cache_bytes=engine_blocks * page,
+        enforce_eager=True,
+        tensor_parallel_size=1,
+        cpu_core=None,
+        calibrate=False,
+        kv_connector_extra=extra,
+    )
+    engine = VllmEngine(settings, make_hasher(cfg), lambda changes: None)
+    await engine.start()
+    rng = random.Random(0)  # the same prompts for every variant
+    prefixes = [
+        tuple(rng.randrange(3, 8000) for _ in range(args.prefix_tokens))
+        for _ in range(args.prefixes)
+    ]
+    cold: list[float] = []
+    warm: list[float] = []
+    cached_total = 0
+    try:
+        for rnd in range(args.rounds):
+            for i, prefix in enumerate(prefixes):
+                question = tuple(rng.randrange(3, 8000) for _ in range(QUESTION_TOKENS))
+                if variant == "disk" and args.drop_caches and rnd:
+                    await asyncio.to_thread(_drop_page_cache)
+                request = EngineRequest(
+                    f"{variant}-{rnd}-{i}",
+                    prefix + question,
+                    SamplingSettings(max_tokens=2, temperature=0.0, ignore_eos=True),
+                )
+                start = time.perf_counter()
+                first: float | None = None
+                cached = 0
+                async for chunk in engine.generate(request):
+                    if first is None:
+                        first = time.perf_counter() - start
+                    cached = max(cached, chunk.num_cached_tokens)
+                assert first is not None
+                (cold if rnd == 0 else warm).append(first * 1e3)
+                if rnd:
+                    cached_total += cached
+        external = engine.load().external_prefix_cache_hit_tokens
+    finally:
+        await engine.shutdown()
+    return VariantResult(
+        variant,
+        engine_blocks,
+        round(cpu_gib, 4),
+        round(disk_gib, 4),
+        cold,
+        warm,
+        cached_total / max(1, len(warm)),
+        external,
+    )
+
+
+def report(results: list[VariantResult]) -> str:
+    lines = [
+        "| variant | cold TTFT mean (ms) | later rounds mean (ms) | p50 | cached tokens/request"
+        " | vs none |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    base = next((r for r in results if r.variant == "none"), None)
+    for r in results:
+        ratio = f"{r.warm_mean_ms / base.warm_mean_ms:.3f}x" if base else "-"
+        lines.append(
+            f"| {r.variant} | {r.cold_mean_ms:.1f} | {r.warm_mean_ms:.1f} | "
+            f"{statistics.median(r.warm_ttft_ms):.1f} | {r.cached_tokens_mean:.0f} | {ratio} |"
+        )
+    lines += [
+        f"\ndisk hit / recompute (same engine, same prompts): "
+        f"{r.warm_mean_ms / r.cold_mean_ms:.3f}x"
+        for r in results
+        if r.variant == "disk"
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str], prog: str = "tier-bench") -> int:
+    args = parse_args(argv, prog)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    from prefixmesh.replica.demo_model import ensure_demo_model
+
+    cfg = load_config()
+    model_path = ensure_demo_model(Path(cfg.cache_dir).expanduser() / "models", args.model_size)
+    results: list[VariantResult] = []
+    with tempfile.TemporaryDirectory(prefix="prefixmesh-tiers-") as scratch:
+        disk_dir = Path(args.disk_dir) if args.disk_dir else Path(scratch)
+        for variant in args.variants.split(","):
+            result = asyncio.run(run_variant(variant, args, model_path, disk_dir))
+            results.append(result)
+            print(
+                f"{variant}: cold {result.cold_mean_ms:.1f} ms, later {result.warm_mean_ms:.1f}"
+                f" ms, {result.cached_tokens_mean:.0f} cached tokens/request",
+                flush=True,
+            )
+    print(report(results))
+    if args.json:
+        out: dict[str, Any] = {"args": vars(args), "results": [asdict(r) for r in results]}
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
