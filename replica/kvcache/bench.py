@@ -219,8 +219,8 @@ def main(argv: list[str], prog: str = "tier-bench") -> int:
                 f" ms, {result.cached_tokens_mean:.0f} cached tokens/request",
                 flush=True,
             )
+            if args.json:  # after every variant: a long run cut short keeps what it measured
+                out: dict[str, Any] = {"args": vars(args), "results": [asdict(r) for r in results]}
+                Path(args.json).write_text(json.dumps(out, indent=2))
     print(report(results))
-    if args.json:
-        out: dict[str, Any] = {"args": vars(args), "results": [asdict(r) for r in results]}
-        Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

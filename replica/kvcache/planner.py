@@ -243,7 +243,7 @@ class TierPlanner:
         if self.capacity[tier] == 0:
             return False
         if self._size[tier] < self.capacity[tier]:
-            return self.policy.admit(tier, ref.block, None)
+            return bool(self.policy.admit(tier, ref.block, None))
         return self._evict_for(tier, ref)
 
     def _evict_for(self, tier: Tier, ref: BlockRef) -> bool:
