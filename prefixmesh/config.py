@@ -487,9 +487,10 @@ class KVCacheConfig(_Section):
     """Settings of the ``workload`` (workload-aware) policy."""
     cpu_tier_gib: float = Field(default=0.0, ge=0)
     """CPU-memory tier under each vLLM replica's own KV cache (our KV connector; pinned memory
-    on CUDA machines). 0 with ``disk_tier_gib`` 0: no connector."""
+    on CUDA machines), per tensor-parallel rank: each rank keeps its shard of every block.
+    0 with ``disk_tier_gib`` 0: no connector."""
     disk_tier_gib: float = Field(default=0.0, ge=0)
-    """Disk tier under the CPU tier, in ``disk_dir`` (0: none)."""
+    """Disk tier under the CPU tier, in ``disk_dir``, per tensor-parallel rank (0: none)."""
     disk_dir: str = "~/.cache/prefixmesh/kv"
     """Folder of the disk tier; one sub-folder per cache fingerprint and tensor-parallel rank,
     kept across restarts (its index is rebuilt on start)."""
