@@ -231,10 +231,12 @@ class TierPlanner:
         return changes
 
     def forget_failed(self, blocks: Iterable[BlockHash], tier: Tier) -> None:
-        """The worker found these unreadable (a corrupt or vanished file): they are gone."""
+        """The worker found these unreadable (a corrupt or vanished file): they are gone (and
+        the worker is told to drop whatever it still has of them)."""
         for block in blocks:
             if self._tier.get(block) == tier:
                 self._remove(tier, block, dropped=True)
+                self._jobs.append(DropJob(block, tier))
 
     # ---- internals -----------------------------------------------------------------------------
 

@@ -176,6 +176,8 @@ def test_failed_loads_are_forgotten() -> None:
     p = planner(cpu=0, disk=2)
     p.restore(Tier.DISK, [B(1)])
     p.take_changes()
+    p.take_plan()
     p.forget_failed([B(1)], Tier.DISK)
     assert p.tier_of(B(1)) is None
     assert p.take_changes() == [TierChange(EventKind.REMOVED, Tier.DISK, (B(1),))]
+    assert p.take_plan().jobs == (DropJob(B(1), Tier.DISK),)
