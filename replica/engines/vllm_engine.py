@@ -47,8 +47,8 @@ class VllmEngineSettings:
     decode_step_s: float = 0.005
     calibrate: bool = True
     kv_connector_extra: dict[str, Any] | None = None
-    """Our KV connector's settings (``kvcache.connector_extra_config``); None: no CPU or disk
-    tier under the engine's own cache."""
+    """Our KV connector's settings (``replica/kvcache/connector.py:connector_extra_config``);
+    None: no CPU or disk tier under the engine's own cache."""
 
 
 class _StatsCapture:
