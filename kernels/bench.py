@@ -70,7 +70,8 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _median_ms(run: Callable[[], None], repeats: int) -> float:
+def median_cuda_ms(run: Callable[[], None], repeats: int) -> float:
+    """Median GPU time of ``run`` over ``repeats`` timed runs after one warm-up."""
     run()  # warm-up: kernel compile, allocator
     torch.cuda.synchronize()
     times = []
@@ -84,7 +85,9 @@ def _median_ms(run: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _cache(args: argparse.Namespace, num_blocks: int) -> tuple[torch.Tensor, PagedKVCache]:
+def cuda_cache(args: argparse.Namespace, num_blocks: int) -> tuple[torch.Tensor, PagedKVCache]:
+    """A random bf16 cache of ``num_blocks`` in the shape ``args`` names (--layers, --kv-heads,
+    --head-dim, --block-size): one raw buffer and its per-layer views."""
     # LBNHC, the default preference when the CUDA backends declare none (FlashAttention).
     shape = (args.layers, num_blocks, args.block_size, args.kv_heads, 2 * args.head_dim)
     raw = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_()
@@ -135,7 +138,7 @@ def _bandwidth_rows(
         LOAD_CEILING: load_ceiling,
         "load: one H2D copy + scatter": load_ours,
     }
-    results = {name: _median_ms(run, args.repeats) for name, run in timed.items()}
+    results = {name: median_cuda_ms(run, args.repeats) for name, run in timed.items()}
     rows = []
     for name, ms in results.items():
         ceiling_ms = results[LOAD_CEILING if name.startswith("load") else CEILING]
@@ -239,7 +242,7 @@ def main(argv: list[str], prog: str = "kernels-bench") -> int:
         print(f"{prog}: needs a CUDA GPU (none visible); --cpu runs a smoke test of the torch path")
         return 2
     tokens = [int(t) for t in args.tokens.split(",")]
-    raw, cache = _cache(args, 2 * max(tokens) // args.block_size)
+    raw, cache = cuda_cache(args, 2 * max(tokens) // args.block_size)
     device = torch.cuda.get_device_name()
     print(
         f"device: {device}; layout {tuple(raw.shape)} bf16 (LBNHC), {args.block_size}-token blocks"

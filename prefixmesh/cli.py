@@ -39,6 +39,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixmesh.replica.kvcache.bench",
         "vLLM TTFT without and with the KV connector's CPU and disk tiers",
     ),
+    "store-bench": (
+        "prefixmesh.replica.kvcache.store_bench",
+        "GPU: the KV connector's CPU-tier store and load path vs the pinned-copy ceiling (GB/s)",
+    ),
     "policy-bench": (
         "prefixmesh.router.policy.bench",
         "time of one routing decision per policy at 64 replicas",

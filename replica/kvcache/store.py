@@ -6,7 +6,13 @@ the GPU run at link speed), ``[capacity, num_layers, *page_shape]`` in the page-
 ``prefixmesh.kernels``; a block is a slot in it. The disk tier is ``DiskTier`` (one file a
 block, written in the background). Every multi-block transfer goes through
 ``gather_blocks`` / ``scatter_blocks``: one gather of all the step's stored blocks into a
-staging buffer and one slab write, one slab read and one scatter for all the step's loads.
+device staging buffer, then one copy per run of consecutive slab slots; for loads the reverse.
+A slot holds all layers of a block contiguously (megabytes for an 8B model), so even a
+fragmented slab moves at link speed, with no host-side copy in between.
+
+On CUDA the copies are asynchronous on the current stream (the engine's), so loads and the
+forward pass that reads them are ordered; the only host-side reader of the slab, a move to
+disk, first waits for the stores enqueued before it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class TierStore:
         )
         self._slot: dict[BlockHash, int] = {}
         self._free = list(range(cpu_capacity_blocks - 1, -1, -1))
+        self._stores_done: torch.cuda.Event | None = None  # last async slab write (CUDA)
         self.disk = disk
         self.page_bytes = layout.page_bytes * layout.num_layers
 
@@ -60,9 +67,16 @@ class TierStore:
             present = [job for job in cpu if job.block in self._slot]
             failed += [job for job in cpu if job.block not in self._slot]
             if present:
-                slots = torch.tensor([self._slot[job.block] for job in present])
-                pages = self._slab.index_select(0, slots)
-                self._scatter([job.engine_block for job in present], pages)
+                device = self.cache.layout.device
+                pages = torch.empty(
+                    (len(present), *self._page_shape), dtype=self._slab.dtype, device=device
+                )
+                slots = [self._slot[job.block] for job in present]
+                for index, slot, count in slot_runs(slots):
+                    pages[index : index + count].copy_(
+                        self._slab[slot : slot + count], non_blocking=True
+                    )
+                scatter_blocks(self.cache, [job.engine_block for job in present], pages)
         if disk:
             if self.disk is None:
                 return failed + disk
@@ -71,13 +85,12 @@ class TierStore:
             good = [i for i, fine in enumerate(ok) if fine]
             failed += [job for job, fine in zip(disk, ok, strict=True) if not fine]
             if good:
-                index = torch.tensor(good)
-                self._scatter([disk[i].engine_block for i in good], pages.index_select(0, index))
+                rows = torch.tensor(good)
+                device = self.cache.layout.device
+                # A pageable source: the copy to the device completes before ``pages`` is freed.
+                staged = pages.index_select(0, rows).to(device)
+                scatter_blocks(self.cache, [disk[i].engine_block for i in good], staged)
         return failed
-
-    def _scatter(self, engine_blocks: list[int], pages: torch.Tensor) -> None:
-        device = self.cache.layout.device
-        scatter_blocks(self.cache, engine_blocks, pages.to(device, non_blocking=True))
 
     # ---- after the forward pass ----------------------------------------------------------------
 
@@ -114,8 +127,13 @@ class TierStore:
         if not fresh:
             return
         staged = gather_blocks(self.cache, [job.engine_block for job in fresh])
-        slots = [self._free.pop() for _ in fresh]
-        self._slab.index_copy_(0, torch.tensor(slots), staged.to("cpu"))
+        # Which block gets which free slot is arbitrary: ascending slots make long runs.
+        slots = sorted(self._free.pop() for _ in fresh)
+        for index, slot, count in slot_runs(slots):
+            self._slab[slot : slot + count].copy_(staged[index : index + count], non_blocking=True)
+        if staged.is_cuda:
+            self._stores_done = torch.cuda.Event()
+            self._stores_done.record()
         for job, slot in zip(fresh, slots, strict=True):
             self._slot[job.block] = slot
 
@@ -124,6 +142,9 @@ class TierStore:
         if slot is None:
             return
         if self.disk is not None:
+            if self._stores_done is not None:  # the page may still be on its way from the GPU
+                self._stores_done.synchronize()
+                self._stores_done = None
             # DiskTier copies the page before it returns, so the slot can be reused at once.
             self.disk.put([block], _as_bytes(self._slab[slot : slot + 1]))
         self._free.append(slot)
@@ -139,6 +160,18 @@ class TierStore:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+
+
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(position, first slot, count)`` for each run of consecutive ascending slots."""
+    runs: list[tuple[int, int, int]] = []
+    for position, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            start, first, count = runs[-1]
+            runs[-1] = (start, first, count + 1)
+        else:
+            runs.append((position, slot, 1))
+    return runs
 
 
 def _as_bytes(pages: torch.Tensor) -> torch.Tensor:

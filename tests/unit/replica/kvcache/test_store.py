@@ -1,5 +1,6 @@
 """The connector's worker side on real tensors: blocks stored, moved to disk and loaded back
-into other engine blocks are bit for bit what the engine computed."""
+into other engine blocks are bit for bit what the engine computed. On CPU always, and on CUDA
+(pinned slab, asynchronous copies, the Triton kernels) when a GPU is present."""
 
 from __future__ import annotations
 
@@ -12,20 +13,26 @@ from prefixmesh.cache_registry.types import BlockHash, Tier
 from prefixmesh.kernels.ops import PagedKVCache
 from prefixmesh.replica.kvcache.disk import DiskTier, block_path
 from prefixmesh.replica.kvcache.planner import DropJob, LoadJob, MoveJob, StoreJob
-from prefixmesh.replica.kvcache.store import TierStore
+from prefixmesh.replica.kvcache.store import TierStore, slot_runs
 
 B = BlockHash
 LAYERS, BLOCKS, HEADS, TOKENS, DIM = 3, 12, 2, 16, 8
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture
-def engine() -> list[torch.Tensor]:
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=CUDA)])
+def engine(request: pytest.FixtureRequest) -> list[torch.Tensor]:
     """vLLM 0.32's per-layer ``[num_blocks, H, N, C]`` views, random bf16 content."""
     gen = torch.Generator().manual_seed(0)
     return [
-        torch.randn(BLOCKS, HEADS, TOKENS, DIM, generator=gen).to(torch.bfloat16)
+        torch.randn(BLOCKS, HEADS, TOKENS, DIM, generator=gen).to(torch.bfloat16).to(request.param)
         for _ in range(LAYERS)
     ]
+
+
+def test_slot_runs_group_consecutive_ascending_slots() -> None:
+    assert slot_runs([]) == []
+    assert slot_runs([4, 5, 6, 2, 3, 9, 8]) == [(0, 4, 3), (3, 2, 2), (5, 9, 1), (6, 8, 1)]
 
 
 def store(engine: list[torch.Tensor], tmp_path: Path, cpu_blocks: int) -> TierStore:
@@ -113,4 +120,42 @@ def test_drops_free_cpu_slots_and_delete_disk_files(
     assert s.disk is not None and s.disk.flush()
     assert s.cpu_blocks == 1 and s.holds(Tier.CPU, B(3)) and not s.holds(Tier.CPU, B(1))
     assert not block_path(tmp_path, B(2)).exists()
+    s.close()
+
+
+def test_many_blocks_round_trip_through_a_fragmented_slab(
+    engine: list[torch.Tensor], tmp_path: Path
+) -> None:
+    # Slots freed out of order come back as several runs; each block still lands in its own.
+    s = store(engine, tmp_path, cpu_blocks=8)
+    originals = {i: block(engine, i) for i in range(8)}
+    s.run([StoreJob(B(100 + i), i) for i in range(8)])
+    s.run([DropJob(B(101), Tier.CPU), DropJob(B(106), Tier.CPU), DropJob(B(103), Tier.CPU)])
+    s.run([StoreJob(B(200), 9), StoreJob(B(201), 10), StoreJob(B(202), 11)])
+    kept = [0, 2, 4, 5, 7]
+    for layer in engine:
+        layer[:8].zero_()
+    failed = s.load([LoadJob(B(100 + i), Tier.CPU, i) for i in kept])
+    assert failed == []
+    for i in kept:
+        assert_same(block(engine, i), originals[i])
+    loaded = s.load([LoadJob(B(200 + i), Tier.CPU, 1 + i) for i in range(3)])
+    assert loaded == []
+    for i in range(3):
+        assert_same(block(engine, 1 + i), block(engine, 9 + i))
+    s.close()
+
+
+def test_a_move_to_disk_right_after_a_store_writes_the_stored_page(
+    engine: list[torch.Tensor], tmp_path: Path
+) -> None:
+    # On CUDA the slab write is asynchronous: the move must wait for it, not write stale bytes.
+    s = store(engine, tmp_path, cpu_blocks=2)
+    original = block(engine, 4)
+    s.run([StoreJob(B(7), 4), MoveJob(B(7))])
+    assert s.disk is not None and s.disk.flush()
+    for layer in engine:
+        layer.zero_()
+    assert s.load([LoadJob(B(7), Tier.DISK, 0)]) == []
+    assert_same(block(engine, 0), original)
     s.close()

@@ -1,0 +1,147 @@
+"""``prefixmesh store-bench``: the KV connector's own CPU-tier path on a GPU (issues 7 and 8).
+
+``kernels-bench`` times the kernels; this times what a vLLM step runs through them:
+``TierStore.run`` storing a prefix's blocks (one gather, then one device-to-host copy per run
+of consecutive slab slots into the pinned slab) and ``TierStore.load`` bringing them back into
+other engine blocks (host-to-device copies per slot run, then one scatter), for an 8B-model
+layout (Llama-3-8B: 32 layers, 8 KV heads, head dim 128, bf16), next to one large pinned copy
+of the same bytes each way. A fragmented slab (every other slot taken) is timed too, and one
+round trip is checked bit for bit. Needs CUDA; there is no CPU mode (the CPU path is the
+tests' and ``tier-bench``'s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from prefixmesh.cache_registry.types import BlockHash, Tier
+from prefixmesh.kernels.bench import CEILING, LOAD_CEILING, cuda_cache, median_cuda_ms
+from prefixmesh.kernels.ops import gather_blocks
+from prefixmesh.replica.kvcache.planner import DropJob, LoadJob, StoreJob
+from prefixmesh.replica.kvcache.store import TierStore
+
+
+@dataclass(frozen=True, slots=True)
+class StoreRow:
+    tokens: int
+    path: str
+    mib: float
+    ms: float
+    gb_s: float
+    of_ceiling: float
+
+
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="2048,8192,32768", help="prefix sizes")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
+    parser.add_argument("--json", help="write the results here")
+    return parser.parse_args(argv)
+
+
+def _rows(
+    args: argparse.Namespace, store: TierStore, num_blocks: int, tokens: int
+) -> list[StoreRow]:
+    n = tokens // args.block_size
+    order = torch.randperm(num_blocks).tolist()
+    sources, targets = order[:n], order[n : 2 * n]
+    hashes = [BlockHash(index) for index in range(n)]
+    nbytes = n * store.page_bytes
+    drops = [DropJob(block, Tier.CPU) for block in hashes]
+    stores = [StoreJob(block, engine) for block, engine in zip(hashes, sources, strict=True)]
+    loads = [
+        LoadJob(block, Tier.CPU, engine) for block, engine in zip(hashes, targets, strict=True)
+    ]
+    flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def store_prefix() -> None:
+        store.run(drops)  # frees the slots: every timed run writes the whole prefix again
+        store.run(stores)
+
+    def load_prefix() -> None:
+        assert store.load(loads) == []
+
+    # Fill every other slot first so the prefix's slots are single, scattered runs.
+    fillers = [BlockHash(10**9 + index) for index in range(n)]
+
+    def store_fragmented() -> None:
+        store.run(drops + [DropJob(block, Tier.CPU) for block in fillers])
+        store.run([StoreJob(block, sources[0]) for block in fillers])
+        store.run([DropJob(block, Tier.CPU) for block in fillers[1::2]])
+        store.run(stores[: n // 2])
+
+    def ceiling() -> None:
+        host.copy_(flat, non_blocking=True)
+
+    def load_ceiling() -> None:
+        flat.copy_(host, non_blocking=True)
+
+    timed = {
+        CEILING: ceiling,
+        "store: gather + D2H into the slab": store_prefix,
+        LOAD_CEILING: load_ceiling,
+        "load: H2D from the slab + scatter": load_prefix,
+    }
+    results = {name: median_cuda_ms(run, args.repeats) for name, run in timed.items()}
+    store_prefix()
+    load_prefix()
+    torch.cuda.synchronize()
+    same = torch.equal(
+        gather_blocks(store.cache, sources).view(torch.int16),
+        gather_blocks(store.cache, targets).view(torch.int16),
+    )
+    print(f"{tokens} tokens: loaded blocks equal the stored ones bit for bit: {same}")
+    if not same:
+        raise SystemExit(1)
+    fragmented = median_cuda_ms(store_fragmented, args.repeats)
+    rows = []
+    for name, ms in results.items():
+        best = results[LOAD_CEILING if name.startswith("load") else CEILING]
+        rows.append(StoreRow(tokens, name, nbytes / 2**20, ms, nbytes / ms / 1e6, best / ms))
+    # The fragmented run also stores n fillers and n/2 of the prefix: time per byte moved.
+    moved = nbytes + nbytes // 2
+    ceiling_per_byte = results[CEILING] / nbytes
+    rows.append(
+        StoreRow(
+            tokens,
+            "store into a fragmented slab",
+            moved / 2**20,
+            fragmented,
+            moved / fragmented / 1e6,
+            ceiling_per_byte * moved / fragmented,
+        )
+    )
+    return rows
+
+
+def main(argv: list[str], prog: str = "store-bench") -> int:
+    args = parse_args(argv, prog)
+    if not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA GPU (none visible)")
+        return 2
+    tokens = [int(t) for t in args.tokens.split(",")]
+    max_blocks = max(tokens) // args.block_size
+    raw, cache = cuda_cache(args, 2 * max_blocks)
+    store = TierStore(cache, cpu_capacity_blocks=2 * max_blocks, disk=None)
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; layout {tuple(raw.shape)} bf16, CPU tier of {2 * max_blocks} slots")
+    rows = [row for count in tokens for row in _rows(args, store, 2 * max_blocks, count)]
+    print(f"{'tokens':>6}  {'MiB':>7}  {'path':<36} {'ms':>9} {'GB/s':>7} {'of ceiling':>10}")
+    for row in rows:
+        print(
+            f"{row.tokens:>6}  {row.mib:>7.0f}  {row.path:<36} {row.ms:>9.3f} "
+            f"{row.gb_s:>7.1f} {row.of_ceiling:>9.0%}"
+        )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"device": device, "rows": [asdict(row) for row in rows]}, handle, indent=2)
+    return 0
