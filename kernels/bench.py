@@ -8,7 +8,8 @@ blocks goes to pinned host memory by
   (c) torch index_select per layer into the staging buffer + one copy,
 next to one large pinned copy of the same bytes (the link's practical ceiling); the load
 direction (one host-to-device copy + our scatter) is timed too. Then a matmul loop runs on
-one stream while gather + copy jobs run on another, and its slowdown is reported.
+one stream while gather + copy jobs (with the kernel confined to a few or given all SMs) or
+copy + scatter jobs run on another, and its slowdown is reported (median of --trials).
 Without CUDA it says so; ``--cpu`` times the torch reference on a tiny cache (a smoke test).
 """
 
@@ -63,6 +64,10 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         help="kernel instances for the interference runs (0 = one per work item)",
     )
     parser.add_argument("--matmul-size", type=int, default=8192)
+    parser.add_argument(
+        "--compute-ms", type=float, default=300.0, help="matmul time per interference trial"
+    )
+    parser.add_argument("--trials", type=int, default=3, help="interference trials (median)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument(
         "--cpu", action="store_true", help="smoke-test the torch reference on CPU (no numbers)"
@@ -163,13 +168,15 @@ def _interference(
             end.record()
         return start, end
 
-    start, end = matmuls(2)
-    torch.cuda.synchronize()
-    per_mm = start.elapsed_time(end) / 2
-    count = max(10, int(300 / max(per_mm, 1e-3)))  # about 300 ms of compute
-    start, end = matmuls(count)
-    torch.cuda.synchronize()
-    alone = start.elapsed_time(end)
+    def matmuls_ms(count: int) -> float:
+        start, end = matmuls(count)
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    matmuls_ms(5)  # warm-up: cuBLAS's choice of kernel, clocks up
+    per_mm = matmuls_ms(10) / 10
+    count = max(10, int(args.compute_ms / per_mm))
+    alone = statistics.median(matmuls_ms(count) for _ in range(args.trials))
 
     n = tokens // args.block_size
     ids = torch.randperm(raw.shape[1])[:n]
@@ -178,32 +185,49 @@ def _interference(
     host = torch.empty(shape, dtype=raw.dtype, pin_memory=True)
     nbytes = staging.numel() * staging.element_size()
     results = []
-    for programs in [int(p) for p in args.programs.split(",")]:
-        grid = programs or None
 
-        def job(grid: int | None = grid) -> None:
+    def store_job(grid: int | None) -> Callable[[], None]:
+        def job() -> None:
             gather_blocks(cache, ids, out=staging, programs=grid)
             host.copy_(staging, non_blocking=True)
 
+        return job
+
+    def load_job() -> None:
+        staging.copy_(host, non_blocking=True)
+        scatter_blocks(cache, ids, staging)
+
+    variants: list[tuple[str, int | None, Callable[[], None]]] = [
+        ("(a) gather + one D2H copy", programs or None, store_job(programs or None))
+        for programs in [int(p) for p in args.programs.split(",")]
+    ]
+    variants.append(("load: one H2D copy + scatter", None, load_job))
+    for path, grid, job in variants:
         with torch.cuda.stream(io):
             job()
         torch.cuda.synchronize()
         one = _timed_on(io, job)
         jobs = max(2, int(1.5 * alone / max(one, 1e-3)))  # I/O outlasts the compute
-        io_start = torch.cuda.Event(enable_timing=True)
-        io_end = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(io):
-            io_start.record()
-            for _ in range(jobs):
-                job()
-            io_end.record()
-        start, end = matmuls(count)
-        torch.cuda.synchronize()
-        together = start.elapsed_time(end)
-        io_gb_s = jobs * nbytes / io_start.elapsed_time(io_end) / 1e6
+        together, io_rates = [], []
+        for _ in range(args.trials):
+            io_start = torch.cuda.Event(enable_timing=True)
+            io_end = torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(io):
+                io_start.record()
+                for _ in range(jobs):
+                    job()
+                io_end.record()
+            together.append(matmuls_ms(count))
+            io_rates.append(jobs * nbytes / io_start.elapsed_time(io_end) / 1e6)
+        with_io = statistics.median(together)
         results.append(
             Interference(
-                "(a) gather + one D2H copy", grid, alone, together, together / alone - 1, io_gb_s
+                path,
+                grid,
+                alone,
+                with_io,
+                with_io / alone - 1,
+                statistics.median(io_rates),
             )
         )
     return results
@@ -255,11 +279,11 @@ def main(argv: list[str], prog: str = "kernels-bench") -> int:
             f"{row.gb_s:>7.1f} {row.of_ceiling:>9.0%}"
         )
     interference = _interference(args, raw, cache, min(max(tokens), 8192))
-    print("\nmatmul slowdown while gather + D2H jobs run on another stream:")
+    print("\nmatmul slowdown while transfers run on another stream:")
     for item in interference:
         grid = item.programs or "all"
         print(
-            f"  programs={grid!s:>4}: matmul {item.matmul_alone_ms:.1f} -> "
+            f"  {item.path:<30} programs={grid!s:>4}: matmul {item.matmul_alone_ms:.1f} -> "
             f"{item.matmul_with_io_ms:.1f} ms ({item.slowdown:+.1%}), I/O {item.io_gb_s:.1f} GB/s"
         )
     if args.json:
