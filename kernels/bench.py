@@ -32,6 +32,8 @@ LOAD_CEILING = "load ceiling: one pinned H2D copy"
 
 @dataclass(frozen=True, slots=True)
 class Row:
+    """One timed transfer of a prefix; ``of_ceiling`` is against one pinned copy of its bytes."""
+
     tokens: int
     path: str
     mib: float
@@ -50,14 +52,28 @@ class Interference:
     io_gb_s: float
 
 
-def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="2048,4096,8192,16384,32768", help="prefix sizes")
+def add_layout_args(parser: argparse.ArgumentParser, tokens: str) -> None:
+    """The prefix sizes, the model's KV layout (Llama-3-8B by default) and the repeats."""
+    parser.add_argument("--tokens", default=tokens, help="prefix sizes")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
+
+
+def print_rows(rows: list[Row]) -> None:
+    print(f"{'tokens':>6}  {'MiB':>7}  {'path':<36} {'ms':>9} {'GB/s':>7} {'of ceiling':>10}")
+    for row in rows:
+        print(
+            f"{row.tokens:>6}  {row.mib:>7.0f}  {row.path:<36} {row.ms:>9.3f} "
+            f"{row.gb_s:>7.1f} {row.of_ceiling:>9.0%}"
+        )
+
+
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    add_layout_args(parser, tokens="2048,4096,8192,16384,32768")
     parser.add_argument(
         "--programs",
         default="0,2,8,32",
@@ -272,12 +288,7 @@ def main(argv: list[str], prog: str = "kernels-bench") -> int:
         f"device: {device}; layout {tuple(raw.shape)} bf16 (LBNHC), {args.block_size}-token blocks"
     )
     rows = [row for count in tokens for row in _bandwidth_rows(args, raw, cache, count)]
-    print(f"{'tokens':>6}  {'MiB':>7}  {'path':<36} {'ms':>9} {'GB/s':>7} {'of ceiling':>10}")
-    for row in rows:
-        print(
-            f"{row.tokens:>6}  {row.mib:>7.0f}  {row.path:<36} {row.ms:>9.3f} "
-            f"{row.gb_s:>7.1f} {row.of_ceiling:>9.0%}"
-        )
+    print_rows(rows)
     interference = _interference(args, raw, cache, min(max(tokens), 8192))
     print("\nmatmul slowdown while transfers run on another stream:")
     for item in interference:

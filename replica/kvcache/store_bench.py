@@ -14,42 +14,33 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
 from prefixmesh.cache_registry.types import BlockHash, Tier
-from prefixmesh.kernels.bench import CEILING, LOAD_CEILING, cuda_cache, median_cuda_ms
+from prefixmesh.kernels.bench import (
+    CEILING,
+    LOAD_CEILING,
+    Row,
+    add_layout_args,
+    cuda_cache,
+    median_cuda_ms,
+    print_rows,
+)
 from prefixmesh.kernels.ops import gather_blocks
 from prefixmesh.replica.kvcache.planner import DropJob, LoadJob, StoreJob
 from prefixmesh.replica.kvcache.store import TierStore
 
 
-@dataclass(frozen=True, slots=True)
-class StoreRow:
-    tokens: int
-    path: str
-    mib: float
-    ms: float
-    gb_s: float
-    of_ceiling: float
-
-
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="2048,8192,32768", help="prefix sizes")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
+    add_layout_args(parser, tokens="2048,8192,32768")
     parser.add_argument("--json", help="write the results here")
     return parser.parse_args(argv)
 
 
-def _rows(
-    args: argparse.Namespace, store: TierStore, num_blocks: int, tokens: int
-) -> list[StoreRow]:
+def _rows(args: argparse.Namespace, store: TierStore, num_blocks: int, tokens: int) -> list[Row]:
     n = tokens // args.block_size
     order = torch.randperm(num_blocks).tolist()
     sources, targets = order[:n], order[n : 2 * n]
@@ -106,12 +97,12 @@ def _rows(
     rows = []
     for name, ms in results.items():
         best = results[LOAD_CEILING if name.startswith("load") else CEILING]
-        rows.append(StoreRow(tokens, name, nbytes / 2**20, ms, nbytes / ms / 1e6, best / ms))
+        rows.append(Row(tokens, name, nbytes / 2**20, ms, nbytes / ms / 1e6, best / ms))
     # The fragmented run also stores n fillers and n/2 of the prefix: time per byte moved.
     moved = nbytes + nbytes // 2
     ceiling_per_byte = results[CEILING] / nbytes
     rows.append(
-        StoreRow(
+        Row(
             tokens,
             "store into a fragmented slab",
             moved / 2**20,
@@ -135,12 +126,7 @@ def main(argv: list[str], prog: str = "store-bench") -> int:
     device = torch.cuda.get_device_name()
     print(f"device: {device}; layout {tuple(raw.shape)} bf16, CPU tier of {2 * max_blocks} slots")
     rows = [row for count in tokens for row in _rows(args, store, 2 * max_blocks, count)]
-    print(f"{'tokens':>6}  {'MiB':>7}  {'path':<36} {'ms':>9} {'GB/s':>7} {'of ceiling':>10}")
-    for row in rows:
-        print(
-            f"{row.tokens:>6}  {row.mib:>7.0f}  {row.path:<36} {row.ms:>9.3f} "
-            f"{row.gb_s:>7.1f} {row.of_ceiling:>9.0%}"
-        )
+    print_rows(rows)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"device": device, "rows": [asdict(row) for row in rows]}, handle, indent=2)
