@@ -61,16 +61,14 @@ class TierStore:
         the worker does not have, a corrupt or missing file), whose engine blocks vLLM must
         recompute."""
         failed: list[LoadJob] = []
+        device = self.cache.layout.device
         cpu = [job for job in loads if job.tier is Tier.CPU]
         disk = [job for job in loads if job.tier is Tier.DISK]
         if cpu:
             present = [job for job in cpu if job.block in self._slot]
             failed += [job for job in cpu if job.block not in self._slot]
             if present:
-                device = self.cache.layout.device
-                pages = torch.empty(
-                    (len(present), *self._page_shape), dtype=self._slab.dtype, device=device
-                )
+                pages = self._new_pages(len(present), device)
                 slots = [self._slot[job.block] for job in present]
                 for index, slot, count in slot_runs(slots):
                     pages[index : index + count].copy_(
@@ -80,17 +78,19 @@ class TierStore:
         if disk:
             if self.disk is None:
                 return failed + disk
-            pages = torch.empty((len(disk), *self._page_shape), dtype=self._slab.dtype)
+            pages = self._new_pages(len(disk), torch.device("cpu"))
             _, ok = self.disk.get([job.block for job in disk], _as_bytes(pages))
             good = [i for i, fine in enumerate(ok) if fine]
             failed += [job for job, fine in zip(disk, ok, strict=True) if not fine]
             if good:
                 rows = torch.tensor(good)
-                device = self.cache.layout.device
                 # A pageable source: the copy to the device completes before ``pages`` is freed.
                 staged = pages.index_select(0, rows).to(device)
                 scatter_blocks(self.cache, [disk[i].engine_block for i in good], staged)
         return failed
+
+    def _new_pages(self, count: int, device: torch.device) -> torch.Tensor:
+        return torch.empty((count, *self._page_shape), dtype=self._slab.dtype, device=device)
 
     # ---- after the forward pass ----------------------------------------------------------------
 
