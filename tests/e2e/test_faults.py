@@ -381,9 +381,11 @@ def test_slow_registry_falls_back_within_the_deadline(faulty: Faulty) -> None:
     assert summary["stream_error_events"] == 0
     # Without the deadline every decision would wait >= 50 ms for the registry. One may miss the
     # bound on this 2-core machine (a scheduling stall, or a claim that by design waits up to half
-    # the prefill it saves): 32 of 33 within 50 ms was measured in a clean CI run.
+    # the prefill it saves): 32 of 33 within 50 ms was measured in a clean CI run. Most are far
+    # faster, but how many stay under 10 ms depends on the machine's load: 31 and 24 of 33 in two
+    # clean CI runs. Without the deadline none would.
     assert decisions > 0 and decisions - within <= 1, summary
-    assert within_10ms / decisions >= 0.8, summary
+    assert within_10ms / decisions >= 0.5, summary
     assert summary["fallbacks_registry_timeout"] > 0, summary
     assert recovery_s is not None and recovery_s <= 10, summary
 
