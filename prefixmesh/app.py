@@ -1,4 +1,8 @@
-"""Builds the Ray Serve application: the ingress in front of N replicas, routed by our router.
+"""Builds the Ray Serve application: N replicas routed by our router.
+
+``serving.path``: ``direct`` (HAProxy asks the router deployment where each request goes and
+forwards it to that replica, which serves the OpenAI API itself) or ``proxy`` (the ingress
+deployment calls the replicas through a handle whose request router is ours).
 
 ``build_app(config)`` for Python; ``app_builder`` for Serve configs
 (``import_path: prefixmesh.app:app_builder`` with ``args: {config: FILE, overrides: [...]}``).
@@ -13,6 +17,7 @@ from typing import Any
 from prefixmesh.config import PrefixmeshConfig, load_config, merge_overrides
 
 INGRESS_NAME = "Ingress"
+ROUTER_NAME = "Router"
 REPLICA_NAME = "Replica"
 
 
@@ -64,9 +69,17 @@ def build_app(config: PrefixmeshConfig) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from prefixmesh.replica.deployment import ReplicaServer
-    from prefixmesh.router.ingress import IngressServer
+    direct = config.serving.path == "direct"
+    if direct:
+        from prefixmesh.replica.openai_server import ReplicaHTTPServer as replica_class
+        from prefixmesh.router.route_server import RouterServer as front_class
 
+        front_name = ROUTER_NAME
+    else:
+        from prefixmesh.replica.deployment import ReplicaServer as replica_class
+        from prefixmesh.router.ingress import IngressServer as front_class
+
+        front_name = INGRESS_NAME
     model_path = resolve_model_path(config)
     config_json = config.model_dump_json()
     env = replica_env(config)
@@ -88,7 +101,7 @@ def build_app(config: PrefixmeshConfig) -> Any:
         }
         replica_actor.pop("num_gpus")
     replicas = serve.deployment(
-        ReplicaServer,
+        replica_class,
         name=REPLICA_NAME,
         num_replicas=replica.num_replicas,
         max_ongoing_requests=replica.max_ongoing_requests,
@@ -108,16 +121,20 @@ def build_app(config: PrefixmeshConfig) -> Any:
         graceful_shutdown_timeout_s=20.0,
         **placement,
     )
-    ingress = serve.deployment(
-        IngressServer,
-        name=INGRESS_NAME,
+    front = serve.deployment(
+        front_class,
+        name=front_name,
         num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
     )
-    return ingress.bind(
-        replicas.bind(config_json, model_path, INGRESS_NAME), config_json, model_path
-    )
+    bound_replicas = replicas.bind(config_json, model_path, front_name)
+    bound_front = front.bind(bound_replicas, config_json, model_path)
+    if direct:
+        # Ray's private hook (Ray Serve LLM's direct streaming uses it): the replicas are the
+        # HTTP ingress, and HAProxy asks the router deployment which one takes each POST.
+        return bound_replicas._with_ingress_request_router(bound_front)
+    return bound_front
 
 
 def app_builder(args: dict[str, Any]) -> Any:

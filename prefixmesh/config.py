@@ -377,6 +377,38 @@ class IngressConfig(_Section):
     streaming (nothing has reached the client yet). Application errors are never retried."""
 
 
+class ServingConfig(_Section):
+    """How requests reach the replicas."""
+
+    path: Literal["direct", "proxy"] = "direct"
+    """``direct``: Ray Serve's HAProxy ingress asks our router deployment (``/internal/route``)
+    which replica takes each POST, then forwards it there; the replica serves the OpenAI API and
+    streams straight back. ``proxy``: the ingress deployment (FastAPI behind Ray's proxy, or
+    behind HAProxy when it runs) calls the replicas through a Serve handle with our request
+    router. Both need Ray's HAProxy mode for ``direct`` (``prefixmesh serve`` turns it on)."""
+    router_timeout_s: int = Field(default=5, ge=1)
+    """HAProxy's limit on one routing call (``RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_TIMEOUT_S``):
+    past it the client gets a 503, so the router answers within ``route_budget_share`` of it
+    whatever the registry does."""
+    route_budget_share: float = Field(default=0.5, gt=0, lt=1)
+    """Share of ``router_timeout_s`` a routing call may take before it answers with a
+    load-balanced choice."""
+    max_body_bytes: int = Field(default=8 * 2**20, ge=65536)
+    """Largest request body HAProxy buffers for the router (its ``tune.bufsize``); a longer
+    body is refused with 413 rather than routed on a truncated prompt."""
+    retry_on: str = "conn-failure empty-response 503"
+    """HAProxy's ``retry-on``: a replica that dies before answering (it sends nothing before
+    the first token) or answers 503 (its engine failed before the first token) has the request
+    sent to another replica (``option redispatch``)."""
+    retries: int = Field(default=5, ge=1)
+    """HAProxy's ``retries`` per request: a killed replica stays "up" until its health checks
+    fail, so a redispatch may try it again (it is marked down after 3 refused connections)."""
+    haproxy_stats_port: int = Field(default=0, ge=0, le=65535)
+    """HAProxy's stats page port; Ray binds it on all interfaces (0: a free port)."""
+    haproxy_metrics_port: int = Field(default=0, ge=0, le=65535)
+    """HAProxy's Prometheus exporter port; Ray binds it on all interfaces (0: a free port)."""
+
+
 class RayConfig(_Section):
     address: str | None = None
     """Join this Ray cluster; None starts a local one on 127.0.0.1."""
@@ -519,6 +551,8 @@ class PrefixmeshConfig(_Section):
     """The model replicas: engine, count, resources."""
     ingress: IngressConfig = IngressConfig()
     """The OpenAI-compatible HTTP front door."""
+    serving: ServingConfig = ServingConfig()
+    """The request path: HAProxy straight to the replicas (direct) or through the ingress."""
     ray: RayConfig = RayConfig()
     """Where Ray runs."""
     telemetry: TelemetryConfig = TelemetryConfig()

@@ -1,22 +1,81 @@
 """Start a Ray instance of our own on 127.0.0.1 (DESIGN.md §7: nothing listens beyond loopback).
 
 One place for the settings every local start needs: the node address pinned to loopback, no
-dashboard, no usage reporting, the driver's logs kept out of the caller's output, and the
-variable Ray on this platform needs in the workers too.
+dashboard, no usage reporting, the driver's logs kept out of the caller's output, the variable
+Ray on this platform needs in the workers too, and (for the direct serving path) the settings of
+Ray Serve's HAProxy ingress. This is the one module that sets process environment: Ray reads
+these settings from the environment of the processes it starts.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import tempfile
+from pathlib import Path
 from typing import Any
+
+from prefixmesh.config import ServingConfig
 
 _WORKER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def init_local_ray(temp_dir: str | None = None, num_cpus: int | None = None) -> Any:
-    """``ray.init`` for a fresh single-node Ray bound to 127.0.0.1; returns its context."""
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def haproxy_environment(
+    serving: ServingConfig, run_dir: str | Path, port: Any = free_port
+) -> dict[str, str]:
+    """Ray Serve's HAProxy ingress with our router asked for every POST: its files under
+    ``run_dir`` (not the machine-wide /tmp/haproxy-serve), its stats and metrics listeners and
+    the fallback proxy moved off their fixed ports, retries of requests whose replica died
+    before answering. ``port``: picks a free port (injected in tests)."""
+    run = Path(run_dir)
+    return {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+        "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_TIMEOUT_S": str(serving.router_timeout_s),
+        "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(serving.max_body_bytes),
+        "RAY_SERVE_HAPROXY_RETRY_ON": serving.retry_on,
+        "RAY_SERVE_HAPROXY_RETRIES": str(serving.retries),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(serving.haproxy_stats_port or port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(serving.haproxy_metrics_port or port()),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(port()),
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(port()),
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(run / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(run / "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(run),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(run / "server-state"),
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(run / "metrics.sock"),
+    }
+
+
+def configure_environment(serving: ServingConfig | None = None) -> Path | None:
+    """The environment Ray and Serve read at import (call before importing ``ray.serve``; a
+    second call changes nothing). With ``serving.path == "direct"`` Serve runs HAProxy, its
+    files in a new folder /tmp/pmh-* (Ray adds a node id under it, and HAProxy's socket paths
+    must stay under 97 characters): that folder, for the caller to remove at the end, or None
+    when HAProxy stays off or was configured before."""
     os.environ.update(_WORKER_ENV)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if serving is None or serving.path != "direct" or "RAY_SERVE_ENABLE_HA_PROXY" in os.environ:
+        return None
+    run_dir = Path(tempfile.mkdtemp(prefix="pmh-", dir="/tmp"))
+    os.environ.update(haproxy_environment(serving, run_dir))
+    return run_dir
+
+
+def init_local_ray(
+    temp_dir: str | None = None,
+    num_cpus: int | None = None,
+    serving: ServingConfig | None = None,
+) -> Any:
+    """``ray.init`` for a fresh single-node Ray bound to 127.0.0.1; returns its context. Call
+    ``configure_environment`` first to own (and remove) HAProxy's folder."""
+    configure_environment(serving)
     import ray
 
     return ray.init(

@@ -35,14 +35,14 @@ from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.loadtest.prompts import Vocabulary, fast_encode, word_lookup
 from prefixmesh.replica.engine_server import EngineHost, engine_routes
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
-from prefixmesh.router.generation import Generation, TextDelta
-from prefixmesh.router.openai_protocol import (
+from prefixmesh.wire import GenerateChunk
+from prefixmesh.wire.generation import Generation, TextDelta
+from prefixmesh.wire.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_body,
 )
-from prefixmesh.wire import GenerateChunk
 
 logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-prefixmesh-replica"

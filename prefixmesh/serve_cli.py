@@ -5,13 +5,13 @@ and shut everything down on Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import os
+import shutil
 import signal
 import sys
 import threading
 
 from prefixmesh.config import load_config
-from prefixmesh.local_ray import init_local_ray
+from prefixmesh.local_ray import configure_environment, init_local_ray
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
@@ -43,10 +43,10 @@ def main(argv: list[str], prog: str = "serve") -> int:
     if args.detach and not config.ray.address:
         print(f"{prog}: --detach needs a cluster to leave the app on (--address)", file=sys.stderr)
         return 2
-    # Ray listens and dials on 127.0.0.1 only when every process has this (DESIGN.md §7);
-    # set before Ray is imported, inherited by everything it starts.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray listens and dials on 127.0.0.1 only when every process has this (DESIGN.md §7), and
+    # Serve reads its HAProxy settings at import: set before Ray is imported, inherited by
+    # everything it starts.
+    haproxy_dir = configure_environment(None if config.ray.address else config.serving)
 
     import ray
     from ray import serve
@@ -54,9 +54,16 @@ def main(argv: list[str], prog: str = "serve") -> int:
     from prefixmesh.app import build_app
 
     if config.ray.address:
+        if config.serving.path == "direct":
+            print(
+                f"{prog}: serving.path=direct needs Ray Serve's HAProxy mode on that cluster "
+                "(RAY_SERVE_ENABLE_HA_PROXY=1 and the settings of prefixmesh.local_ray."
+                "haproxy_environment in its nodes' environment)",
+                file=sys.stderr,
+            )
         ray.init(address=config.ray.address, log_to_driver=False)
     else:
-        init_local_ray(config.ray.temp_dir, config.ray.num_cpus)
+        init_local_ray(config.ray.temp_dir, config.ray.num_cpus, config.serving)
     try:
         serve.start(http_options={"host": config.ingress.host, "port": config.ingress.port})
         print(
@@ -74,6 +81,8 @@ def main(argv: list[str], prog: str = "serve") -> int:
         serve.shutdown()
     finally:
         ray.shutdown()
+        if haproxy_dir is not None and not args.detach:
+            shutil.rmtree(haproxy_dir, ignore_errors=True)
     return 0
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -27,6 +28,9 @@ from prefixmesh.replica.spans import replica_trace
 from prefixmesh.wire import GenerateChunk, GenerateRequest, HoldInstruction
 
 logger = logging.getLogger(__name__)
+FINISHED_IDS_KEPT = 1024
+"""Finished request ids a replica keeps reporting (``seen_requests``): more than finish in one
+routing-stats period at any rate this replica serves."""
 
 
 class IngressEventTarget:
@@ -164,7 +168,8 @@ class ReplicaServer:
         await self.engine.start()
         self.publisher.start()
         self._prefill_tokens: dict[str, int] = {}
-        self._running = 0
+        self._running: set[str] = set()
+        self._finished: deque[str] = deque(maxlen=FINISHED_IDS_KEPT)
         logger.info("replica %s (rank %d) ready", self.replica_id, rank)
 
     def _on_changes(self, changes: Any) -> None:
@@ -201,7 +206,7 @@ class ReplicaServer:
                     self.inflight.finished(rid)
                     self._release_claim(request)
                     self._prefill_tokens.pop(rid, None)
-                    self._running += 1
+                    self._running.add(rid)
                     trace.first_token(chunk.num_cached_tokens)
                 output_tokens += len(chunk.token_ids)
                 finish_reason = chunk.finish_reason
@@ -219,9 +224,9 @@ class ReplicaServer:
         finally:
             self.inflight.finished(rid)
             self._prefill_tokens.pop(rid, None)
-            if not in_prefill:
-                self._running -= 1
-            else:
+            self._running.discard(rid)
+            self._finished.append(rid)
+            if in_prefill:
                 self._release_claim(request)  # ended before computing the prefix
             trace.end(output_tokens, finish_reason)
 
@@ -259,7 +264,7 @@ class ReplicaServer:
         load = self.engine.load()
         return {
             "queued_requests": len(self._prefill_tokens),
-            "running_requests": self._running,
+            "running_requests": len(self._running),
             "pending_prefill_tokens": sum(self._prefill_tokens.values()),
             "kv_usage": load.kv_usage,
             "capacity": self.engine.capacity(),
@@ -276,6 +281,9 @@ class ReplicaServer:
             "heartbeat_mismatches": self.publisher.heartbeat_mismatches,
             "reaped_replicas": self.publisher.reaped,
             "event_gaps": load.event_gaps,
+            # Routers that send requests past Serve's handle (the direct path) learn from this
+            # which of theirs arrived here: those are in the counts above from now on.
+            "seen_requests": [*self._prefill_tokens, *self._running, *self._finished],
         }
 
     def exported_spans(self, clear: bool = False) -> list[dict[str, Any]]:

@@ -2,8 +2,8 @@
 
 For a ``GenerateRequest`` and the candidate replicas (their ids and latest reported stats) it
 builds replica snapshots (the reports, raised by this router's own ledger), asks the registry
-what each candidate holds (within ``lookup_deadline_ms``), lets the policy decide, writes the
-decision into the request, and records speculative entries and the group's traffic. A decision
+what each candidate holds (within ``lookup_deadline_ms``), lets the policy decide, returns the
+decision (``Routed``), and records speculative entries and the group's traffic. A decision
 that sends a cold long prefix to be computed also claims it in the registry, or is held on the
 replica that claimed it first (``claims.py``). Ray Serve's request router (``serve_router.py``)
 wraps it; tests drive several of them against one Redis.
@@ -56,6 +56,31 @@ logger = logging.getLogger(__name__)
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 CONNECT_WAIT_S = 0.05
 """Most a new router's first decisions wait for its registry client to be ready (once)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A routing decision as whoever asked for it uses it: the replica, what it holds of the
+    prompt, the hold it waits under and the prefix claimed for it. Returned, never written
+    into the request (the proxy path's Serve adapter copies it onto the handle call)."""
+
+    decision: RouteDecision
+    matched_blocks: int
+    """Leading prompt blocks the chosen replica holds (registry)."""
+    hold: HoldInstruction | None = None
+    claim: BlockHash | None = None
+
+    @property
+    def chosen(self) -> ReplicaId:
+        return self.decision.chosen
+
+    @property
+    def ranked(self) -> tuple[tuple[ReplicaId, ...], ...]:
+        return self.decision.ranked
+
+    @property
+    def reason(self) -> str:
+        return self.decision.reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +140,10 @@ class RoutingCore:
         )
         self._deadline_s = config.registry.lookup_deadline_ms / 1000
         self._sole_router = config.ingress.num_replicas == 1
+        self._direct = config.serving.path == "direct"
+        """Requests reach replicas past Serve's handle: no first-token or end callbacks; the
+        replicas' reports list the requests they have seen (``LoadLedger.seen``)."""
+        self._unseen_expiry_s = config.ingress.request_timeout_s
         self.metrics = local.metrics
         self.backend = config.registry.backend
         self.remote: CacheRegistry | None = registry
@@ -131,10 +160,8 @@ class RoutingCore:
 
     # ---- the decision ----------------------------------------------------------------------
 
-    async def decide(
-        self, request: GenerateRequest, candidates: Sequence[Candidate]
-    ) -> RouteDecision:
-        """Route ``request`` among ``candidates`` (at least one) and write the decision into it."""
+    async def decide(self, request: GenerateRequest, candidates: Sequence[Candidate]) -> Routed:
+        """Route ``request`` among ``candidates`` (at least one)."""
         started = time.perf_counter()
         ids = [candidate.replica_id for candidate in candidates]
         key = PrefixKey(
@@ -157,6 +184,13 @@ class RoutingCore:
                 decision, claim, wait_s = await self._claim(prefix, route, decision, snapshots)
         hit = await self._apply(request, route, decision, view.hits, group, claim, wait_s)
         note_hit(hit)
+        hold = decision.hold
+        routed = Routed(
+            decision,
+            hit.num_blocks if hit else 0,
+            HoldInstruction(hold.num_blocks, hold.max_wait_s) if hold is not None else None,
+            claim,
+        )
         self.metrics.decided(
             self.policy.name,
             decision.reason,
@@ -165,7 +199,7 @@ class RoutingCore:
             decision.hold is not None,
             time.perf_counter() - started,
         )
-        return decision
+        return routed
 
     async def _claim(
         self,
@@ -210,13 +244,22 @@ class RoutingCore:
 
     def snapshots(self, candidates: Sequence[Candidate]) -> list[ReplicaSnapshot]:
         with self.local.lock:
+            if self._direct:
+                reports = [(c.replica_id, c.stats) for c in candidates]
+                self.local.apply_reports(reports, time.monotonic(), self._unseen_expiry_s)
             ledger = self.local.ledger.load()
         snapshots = []
         for candidate in candidates:
             replica_id = candidate.replica_id
             stats = candidate.stats
             own = ledger.get(replica_id) or LedgerLoad()
-            if self._sole_router:
+            if self._direct:
+                # The report counts what reached the replica; the ledger holds only what this
+                # router sent that no report has listed yet (on its way, or just arrived).
+                queued = int(stats.get("queued_requests", 0)) + own.queued_requests
+                running = int(stats.get("running_requests", 0)) + own.running_requests
+                pending = int(stats.get("pending_prefill_tokens", 0)) + own.pending_prefill_tokens
+            elif self._sole_router:
                 # Every request to the replicas passes through this ingress: the ledger is
                 # exact and current, while a report can be a second old (a stale report would
                 # charge a replica for requests it has finished, and push its prefix away).
@@ -285,8 +328,8 @@ class RoutingCore:
         claim: BlockHash | None,
         wait_s: float,
     ) -> PrefixHit | None:
-        """Write the decision into the request and the shared state; the chosen one's hit.
-        A claimed prefix's speculative entry is awaited up to ``wait_s``."""
+        """Record the decision in the shared state; the chosen one's hit. A claimed prefix's
+        speculative entry is awaited up to ``wait_s``."""
         chosen = decision.chosen
         hit = hits.get(chosen)
         # Blocks the replica will not compute: those it holds, or those a hold waits for.
@@ -294,21 +337,11 @@ class RoutingCore:
             hit.num_blocks if hit else 0, decision.hold.num_blocks if decision.hold else 0
         )
         uncached = route.prompt_tokens - covered * route.key.block_size
-        # A decision made again for the same request (Serve retries routing) replaces the hold.
-        request.hold = (
-            HoldInstruction(decision.hold.num_blocks, decision.hold.max_wait_s)
-            if decision.hold is not None
-            else None
-        )
-        request.routed_by = decision.reason
-        request.routed_to = chosen
-        request.matched_blocks = hit.num_blocks if hit else 0
-        request.claim = claim
         ttl_s = self.config.registry.speculative_ttl_s
         weight = self.policy.traffic_weight(route)
         with self.local.lock:
             first_time = self.local.ledger.routed(
-                request.request_id, chosen, max(uncached, 0), claim
+                request.request_id, chosen, max(uncached, 0), claim, time.monotonic()
             )
             if first_time and self.backend == "memory":
                 self.local.registry.add_speculative(route.key, chosen, ttl_s)

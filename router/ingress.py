@@ -8,11 +8,9 @@ in-process registry mode it also receives the replicas' cache events.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,36 +21,39 @@ from prefixmesh import tracing
 from prefixmesh.cache_registry.factory import make_hasher, make_memory_state
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.router.generation import Generation, TextDelta
 from prefixmesh.router.local_state import local_state
-from prefixmesh.router.metrics import IngressMetrics
-from prefixmesh.router.openai_protocol import (
+from prefixmesh.router.retry import AttemptFailed, retry_request, run_with_retry
+from prefixmesh.router.spans import NoRequestTrace, request_trace
+from prefixmesh.wire import GenerateRequest
+from prefixmesh.wire.generation import Generation
+from prefixmesh.wire.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_body,
 )
-from prefixmesh.router.retry import AttemptFailed, retry_request, run_with_retry
-from prefixmesh.router.spans import NoRequestTrace, request_trace
-from prefixmesh.wire import GenerateRequest
+from prefixmesh.wire.openai_render import (
+    MATCHED_BLOCKS_HEADER,
+    REPLICA_FAILED,
+    REPLICA_HEADER,
+    RETRIES_HEADER,
+    PromptEncoder,
+    brief,
+    check_model,
+    full_body,
+    mid_stream_error,
+    model_list,
+    new_request_id,
+    sse_events,
+)
+from prefixmesh.wire.request_metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="prefixmesh", docs_url=None, redoc_url=None)
-REPLICA_HEADER = "x-prefixmesh-replica"
-RETRIES_HEADER = "x-prefixmesh-retries"
-MATCHED_BLOCKS_HEADER = "x-prefixmesh-matched-blocks"
-REPLICA_FAILED = "replica_failed"
-"""The ``code`` of the error event that ends a stream whose replica failed mid-stream."""
 
 
 def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
-
-
-def _brief(exc: BaseException) -> str:
-    """An exception as one line: Ray wraps remote errors with whole tracebacks."""
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
 async def _started(generation: Generation) -> tuple[str, str] | None:
@@ -67,17 +68,12 @@ def _failure(request_id: str, failed: AttemptFailed) -> APIError:
     if isinstance(cause, APIError):
         return cause
     if failed.phase == "before_first_token":
-        logger.warning("request %s failed before its first token: %s", request_id, _brief(cause))
-        message = f"no replica could serve the request: {_brief(cause)}"
+        logger.warning("request %s failed before its first token: %s", request_id, brief(cause))
+        message = f"no replica could serve the request: {brief(cause)}"
         return APIError(503, message, error_type="server_error", code=REPLICA_FAILED)
-    logger.warning("request %s failed mid-generation: %s", request_id, _brief(cause))
-    message = f"the replica failed mid-generation: {_brief(cause)}"
+    logger.warning("request %s failed mid-generation: %s", request_id, brief(cause))
+    message = f"the replica failed mid-generation: {brief(cause)}"
     return APIError(502, message, error_type="server_error", code=REPLICA_FAILED)
-
-
-def _sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
 
 
 @serve.ingress(api)
@@ -89,10 +85,10 @@ class IngressServer:
         config = self.config
         tracing.setup(config.telemetry, "ingress")  # the request router shares this process
         self._replicas = replicas
-        self._tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
         self._hasher = make_hasher(config)
         self._local = local_state(config.app_name, lambda: make_memory_state(config))
-        self._metrics = IngressMetrics()
+        self._metrics = RequestMetrics()
         self._max_model_len = config.replica.vllm.max_model_len
         self._created = int(time.time())
 
@@ -104,21 +100,14 @@ class IngressServer:
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        card = {
-            "id": self.config.model,
-            "object": "model",
-            "created": self._created,
-            "owned_by": "prefixmesh",
-            "max_model_len": self._max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return model_list(self.config.model, self._created, self._max_model_len)
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
         router = self._local.metrics
         with self._local.lock:
             router.ongoing.set(len(self._local.ledger))
-        body = self._metrics.render(router)
+        body = self._metrics.render(router.registry)
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4")
 
     # ---- generation ------------------------------------------------------------------------
@@ -128,15 +117,10 @@ class IngressServer:
         arrived_ns = time.time_ns()
         try:
             body = parse_body(await request.body(), CompletionRequest)
-            self._check_model(body.model)
-            ids = await self._tokenize_prompt(body.prompt)
+            check_model(body.model, self.config.model)
+            ids, max_tokens = await self._encoder.prompt_of(body, chat=False)
             return await self._respond(
-                body,
-                ids,
-                body.max_tokens,
-                chat=False,
-                headers=request.headers,
-                arrived_ns=arrived_ns,
+                body, ids, max_tokens, chat=False, headers=request.headers, arrived_ns=arrived_ns
             )
         except APIError as exc:
             self._metrics.error(exc.status)
@@ -147,45 +131,14 @@ class IngressServer:
         arrived_ns = time.time_ns()
         try:
             body = parse_body(await request.body(), ChatCompletionRequest)
-            self._check_model(body.model)
-            ids = await self._tokenize_chat(body)
-            max_tokens = body.max_completion_tokens or body.max_tokens
+            check_model(body.model, self.config.model)
+            ids, max_tokens = await self._encoder.prompt_of(body, chat=True)
             return await self._respond(
                 body, ids, max_tokens, chat=True, headers=request.headers, arrived_ns=arrived_ns
             )
         except APIError as exc:
             self._metrics.error(exc.status)
             return _error(exc)
-
-    def _check_model(self, model: str) -> None:
-        if model != self.config.model:
-            raise APIError(
-                404,
-                f"model {model!r} does not exist; this cluster serves {self.config.model!r}",
-                param="model",
-                code="model_not_found",
-            )
-
-    async def _tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            if any(not 0 <= t < len(self._tokenizer) for t in prompt):
-                raise APIError(422, "prompt token ids out of the vocabulary", param="prompt")
-            return list(prompt)
-        # Tokenizing a long prompt takes milliseconds of CPU: off the event loop.
-        return list(await asyncio.to_thread(lambda: self._tokenizer(prompt)["input_ids"]))
-
-    async def _tokenize_chat(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-
-        def render() -> list[int]:
-            ids = self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding (a UserDict)
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-
-        return await asyncio.to_thread(render)
 
     async def _respond(
         self,
@@ -198,7 +151,7 @@ class IngressServer:
         arrived_ns: int,
     ) -> Response:
         """The response, inside the request's span (which a stream ends when it ends)."""
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = new_request_id(chat)
         trace = request_trace(headers, request_id, len(ids), bool(body.stream), arrived_ns)
         try:
             return await self._respond_traced(body, ids, max_tokens, chat, request_id, trace)
@@ -216,7 +169,7 @@ class IngressServer:
         trace: NoRequestTrace,
     ) -> Response:
         sampling = body.engine_sampling(
-            len(ids), max_tokens, self._max_model_len, self._tokenizer.eos_token_id
+            len(ids), max_tokens, self._max_model_len, self._encoder.eos_token_id
         )
         key = self._hasher.hash_tokens(ids)
         generate = GenerateRequest(
@@ -266,9 +219,8 @@ class IngressServer:
         text, finish_reason = done.result or ("", "stop")
         self._metrics.finished(generation)
         trace.end(generation)
-        return JSONResponse(
-            self._full_body(request_id, chat, text, finish_reason, generation), headers=headers
-        )
+        body_json = full_body(request_id, self.config.model, chat, text, finish_reason, generation)
+        return JSONResponse(body_json, headers=headers)
 
     def _start(self, request: GenerateRequest, stop: list[str], started_s: float) -> Generation:
         ledger, lock = self._local.ledger, self._local.lock
@@ -284,7 +236,7 @@ class IngressServer:
         stream = self._replicas.options(stream=True).generate.remote(request)
         return Generation(
             stream,
-            self._decode,
+            self._encoder.decode,
             len(request.prompt_token_ids),
             stop,
             first_token,
@@ -292,9 +244,6 @@ class IngressServer:
             request=request,
             started_s=started_s,
         )
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
     async def _collect(self, generation: Generation) -> tuple[str, str]:
         """The whole output; a replica failure is raised as it is (the retry judges it)."""
@@ -317,77 +266,26 @@ class IngressServer:
         include_usage: bool,
         trace: NoRequestTrace,
     ) -> AsyncIterator[bytes]:
-        base = {
-            "id": request_id,
-            "created": int(time.time()),
-            "model": self.config.model,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-        }
-        if chat:
-            yield _sse(
-                {
-                    **base,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-            )
-        try:
-            async for delta in generation.deltas():
-                yield _sse({**base, "choices": [self._choice_delta(delta, chat)]})
-        except Exception as exc:  # the replica died mid-stream: say so, then end the stream
-            logger.warning("stream %s failed mid-stream: %s", request_id, _brief(exc))
+        def failed(exc: BaseException) -> APIError:  # the replica died mid-stream
+            logger.warning("stream %s failed mid-stream: %s", request_id, brief(exc))
             self._metrics.stream_errors.inc()
-            error = APIError(
-                502,
-                f"the replica failed mid-stream: {_brief(exc)}",
-                error_type="server_error",
-                code=REPLICA_FAILED,
-            )
+            error = mid_stream_error(exc)
             trace.end(generation, error)
-            yield _sse(error.body())
-        else:
-            if include_usage:
-                yield _sse({**base, "choices": [], "usage": generation.usage.as_dict()})
-            self._metrics.finished(generation)
+            return error
+
+        try:
+            async for event in sse_events(
+                generation,
+                request_id,
+                self.config.model,
+                chat,
+                include_usage,
+                failed,
+                lambda: self._metrics.finished(generation),
+            ):
+                yield event
         finally:
             trace.end(generation)  # a client gone mid-stream ends it here (idempotent)
-        yield _sse("[DONE]")
-
-    @staticmethod
-    def _choice_delta(delta: TextDelta, chat: bool) -> dict[str, Any]:
-        if chat:
-            content = {"content": delta.text} if delta.text else {}
-            return {"index": 0, "delta": content, "finish_reason": delta.finish_reason}
-        return {
-            "index": 0,
-            "text": delta.text,
-            "logprobs": None,
-            "finish_reason": delta.finish_reason,
-        }
-
-    def _full_body(
-        self, request_id: str, chat: bool, text: str, finish: str, generation: Generation
-    ) -> dict[str, Any]:
-        base: dict[str, Any] = {
-            "id": request_id,
-            "created": int(time.time()),
-            "model": self.config.model,
-            "usage": generation.usage.as_dict(),
-        }
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-            }
-            return {**base, "object": "chat.completion", "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**base, "object": "text_completion", "choices": [choice]}
 
     # ---- cluster plumbing ------------------------------------------------------------------
 

@@ -6,6 +6,13 @@ routed on stale numbers would pile onto one replica. The ledger counts every rou
 once (queued, pending prefill tokens), moves a request to running at its first token and drops
 it at its end. Pure; the caller serialises access.
 
+On the direct path requests reach replicas past Serve's handle, so no first-token or end
+callback arrives: the replicas' reports list the request ids they have seen
+(``seen_requests``), and ``seen`` drops those entries (their load is in the report from then on,
+their claim released), so the ledger holds only what is still on its way to a replica and the
+router adds it to the report. An entry no report ever lists (its client went away before
+HAProxy forwarded it) expires.
+
 It also carries the in-flight claim a decision took for its replica (delay-hit holds across
 routers): in the in-process registry mode nobody else can release it, so the request's first
 token (or its end) hands it to ``release_claim``.
@@ -13,7 +20,7 @@ token (or its end) hands it to ``release_claim``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prefixmesh.cache_registry.types import BlockHash, ReplicaId
@@ -27,6 +34,7 @@ class _Routed:
     prefill_tokens: int
     running: bool = False
     claim: BlockHash | None = None
+    routed_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,16 +57,40 @@ class LoadLedger:
         replica: ReplicaId,
         prefill_tokens: int,
         claim: BlockHash | None = None,
+        now_s: float | None = None,
     ) -> bool:
-        """Record a decision; a retried decision for the same request moves it. True if new."""
+        """Record a decision; a retried decision for the same request moves it. True if new.
+        ``now_s``: the router's clock, for ``expire`` (None: the entry never expires)."""
         old = self._requests.get(request_id)
         if old is not None:
             if old.replica == replica and claim is None:
                 claim = old.claim  # routed again to the same replica: it still computes
             elif old.claim != claim:
                 self._release(old)  # moved: the old replica will not compute it
-        self._requests[request_id] = _Routed(replica, prefill_tokens, claim=claim)
+        self._requests[request_id] = _Routed(replica, prefill_tokens, claim=claim, routed_s=now_s)
         return old is None
+
+    def seen(self, request_ids: Iterable[str]) -> int:
+        """Requests a replica reported as arrived (queued, running or finished there): their
+        load is in its report now. Returns how many entries that dropped."""
+        dropped = 0
+        for request_id in request_ids:
+            routed = self._requests.pop(request_id, None)
+            if routed is not None:
+                self._release(routed)
+                dropped += 1
+        return dropped
+
+    def expire(self, now_s: float, older_than_s: float) -> int:
+        """Drop entries routed more than ``older_than_s`` ago that no report ever listed."""
+        stale = [
+            k
+            for k, v in self._requests.items()
+            if v.routed_s is not None and now_s - v.routed_s > older_than_s
+        ]
+        for request_id in stale:
+            self._release(self._requests.pop(request_id))
+        return len(stale)
 
     def first_token(self, request_id: str) -> None:
         routed = self._requests.get(request_id)

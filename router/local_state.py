@@ -11,7 +11,7 @@ goes through the lock (the metrics excepted: they lock themselves).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,22 @@ class LocalRouterState:
     stats_source: Any = None
     """The request router, whose replicas carry their latest reported stats."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _applied_reports: dict[str, int] = field(default_factory=dict)
+    """Per replica, the id() of the ``seen_requests`` list last applied to the ledger."""
+
+    def apply_reports(
+        self, reports: Iterable[tuple[str, Mapping[str, Any]]], now_s: float, expiry_s: float
+    ) -> None:
+        """The direct path's load accounting (caller holds the lock): drop the ledger entries
+        the replicas' reports list as seen, each report once (Serve replaces a replica's stats
+        object when a new report arrives), and expire entries no report ever listed."""
+        for replica, stats in reports:
+            seen = stats.get("seen_requests")
+            if seen is None or self._applied_reports.get(replica) == id(seen):
+                continue
+            self._applied_reports[replica] = id(seen)
+            self.ledger.seen(seen)
+        self.ledger.expire(now_s, expiry_s)
 
     def replica_stats(self) -> list[dict[str, Any]]:
         """Every replica's latest ``record_routing_stats`` report (polled by Serve)."""

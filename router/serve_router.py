@@ -21,10 +21,10 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from prefixmesh.cache_registry.factory import make_memory_state
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.router.decide import Candidate, RoutingCore
+from prefixmesh.router.decide import Candidate, Routed, RoutingCore
 from prefixmesh.router.local_state import LocalRouterState, local_state
 from prefixmesh.router.spans import route_span
-from prefixmesh.wire import GenerateRequest
+from prefixmesh.wire import GenerateRequest, LoadBalanced
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,10 @@ class PrefixmeshRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if pending_request is not None and any(
+            isinstance(a, LoadBalanced) for a in pending_request.args
+        ):
+            return self._less_loaded_of_two(candidate_replicas)
         request = _generate_request(pending_request)
         if request is not None and request.avoid_replicas:
             # A retry: the replicas that failed it are left out, unless no other one is left.
@@ -114,11 +118,12 @@ class PrefixmeshRequestRouter(RequestRouter):
             return [candidates]  # other calls: Serve picks the least loaded
         by_id = {ReplicaId(r.replica_id.unique_id): r for r in candidates}
         with route_span(request) as span:  # a no-op when tracing is off
-            decision = await self._core.decide(
+            routed = await self._core.decide(
                 request, [Candidate(rid, r.routing_stats or {}) for rid, r in by_id.items()]
             )
-            span.decided(self._core.policy.name, decision, request)
-        ranked = [[by_id[r] for r in tier if r in by_id] for tier in decision.ranked]
+            _carry(request, routed)
+            span.decided(self._core.policy.name, routed.decision, request)
+        ranked = [[by_id[r] for r in tier if r in by_id] for tier in routed.ranked]
         return [tier for tier in ranked if tier] or [candidates]
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -138,10 +143,32 @@ class PrefixmeshRequestRouter(RequestRouter):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _less_loaded_of_two(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """Power of two on the replicas' reports, the less loaded first (the direct path's
+        router takes the first replica of the first rank)."""
+        pair = self._rng.sample(candidates, min(2, len(candidates)))
+
+        def load(replica: RunningReplica) -> int:
+            stats = replica.routing_stats or {}
+            return int(stats.get("queued_requests", 0)) + int(stats.get("running_requests", 0))
+
+        return [sorted(pair, key=load)]
+
     def _power_of_two(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         if len(candidates) <= 2:
             return [list(candidates)]
         return [self._rng.sample(candidates, 2)]
+
+
+def _carry(request: GenerateRequest, routed: Routed) -> None:
+    """The proxy path's one hand-off: the decision rides on the handle call's argument, the
+    only thing that reaches the replica (a decision made again for the same request, when
+    Serve retries routing, replaces it)."""
+    request.hold = routed.hold
+    request.routed_by = routed.reason
+    request.routed_to = routed.chosen
+    request.matched_blocks = routed.matched_blocks
+    request.claim = routed.claim
 
 
 def _generate_request(pending: PendingRequest | None) -> GenerateRequest | None:

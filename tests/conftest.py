@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
-import os
+import shutil
 from collections.abc import Iterator
 
 import pytest
 
-# Ray must listen and dial on 127.0.0.1 only (DESIGN.md §7); set before any test imports ray.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+from prefixmesh.config import ServingConfig
+from prefixmesh.local_ray import configure_environment
 
-from prefixmesh.cache_registry.redis_server import LocalRedisServer
+# Ray must listen and dial on 127.0.0.1 only (DESIGN.md §7), and Serve reads its HAProxy
+# settings (the direct path) at import: set before any test imports ray.
+HAPROXY_RUN_DIR = configure_environment(ServingConfig())
+
+from prefixmesh.cache_registry.redis_server import LocalRedisServer  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _haproxy_run_dir() -> Iterator[None]:
+    yield
+    if HAPROXY_RUN_DIR is not None:
+        shutil.rmtree(HAPROXY_RUN_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from prefixmesh.cache_registry.redis_server import free_port
-from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.config import PrefixmeshConfig, ServingConfig, load_config
 from prefixmesh.local_ray import init_local_ray
 
 
@@ -30,7 +30,8 @@ def ray_cluster() -> Iterator[Cluster]:
     # Short paths: Ray's unix sockets live under the temp dir and must stay under ~107 chars.
     temp_dir = tempfile.mkdtemp(prefix="pmray-", dir="/tmp")
     cache_dir = os.path.expanduser("~/.cache/prefixmesh")
-    init_local_ray(temp_dir, num_cpus=2)
+    # HAProxy in front (the direct path's ingress); apps on the proxy path run behind it too.
+    init_local_ray(temp_dir, num_cpus=2, serving=ServingConfig())
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -42,6 +43,8 @@ def ray_cluster() -> Iterator[Cluster]:
 
 
 Deploy = Callable[..., PrefixmeshConfig]
+PROXY_PATH = "serving.path=proxy"
+"""For modules that test the ingress deployment (the proxy path); the default is direct."""
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from prefixmesh.cache_registry.redis_server import LocalRedisServer
-from tests.e2e.conftest import Cluster, Deploy
+from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "demo-tiny"
@@ -39,7 +39,7 @@ def burst_cluster(
         f"ingress.num_replicas={ingresses}",
     ]
     if backend == "memory":
-        deploy(*overrides)
+        deploy(PROXY_PATH, *overrides)
         yield ray_cluster
         return
     redis = LocalRedisServer()
@@ -49,6 +49,7 @@ def burst_cluster(
         # default 5 ms lookup deadline, and the router then routes on load alone (its lookup
         # bound, tested in test_faults.py). This test is about the claim between ingresses.
         deploy(
+            PROXY_PATH,
             *overrides,
             "registry.backend=redis",
             f"registry.redis_url={redis.url}",

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixmesh.cache_registry.redis_server import free_port
-from tests.e2e.conftest import Cluster, Deploy
+from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 def cluster(ray_cluster: Cluster, deploy: Deploy) -> Iterator[Cluster]:
     nothing_listens = f"redis://127.0.0.1:{free_port()}/0"
     deploy(
+        PROXY_PATH,
         "replica.engine=sim",
         "replica.num_replicas=2",
         "registry.backend=redis",

@@ -31,7 +31,7 @@ from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.cache_registry.types import PrefixKey, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.loadtest.peers import ManagedProcess, wait_http
-from tests.e2e.conftest import Cluster, Deploy
+from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 from tests.e2e.test_faults import DOCUMENTS, MODEL, LoadRun, wait_until, write_report
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
@@ -104,6 +104,7 @@ def restartable(
         for i in range(2):
             servers.wait(i)
         config = deploy(
+            PROXY_PATH,
             "replica.engine=remote",
             "replica.num_replicas=2",
             f"replica.remote.urls=[{', '.join(servers.urls)}]",

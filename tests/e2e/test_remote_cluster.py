@@ -13,7 +13,7 @@ import pytest
 
 from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.loadtest.peers import ManagedProcess, wait_http
-from tests.e2e.conftest import Cluster, Deploy
+from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "demo-tiny"
@@ -82,7 +82,7 @@ def served_by(urls: list[str]) -> list[int]:
 def test_our_router_follows_the_remote_caches(
     ray_cluster: Cluster, deploy: Deploy, replica_servers: list[str]
 ) -> None:
-    deploy(*remote(replica_servers))
+    deploy(PROXY_PATH, *remote(replica_servers))
     before = served_by(replica_servers)
     first = complete(ray_cluster, DOCUMENT + " Question 0?")
     holder = first.headers["x-prefixmesh-replica"]
@@ -99,7 +99,7 @@ def test_our_router_follows_the_remote_caches(
 def test_rays_own_routers_run_on_the_same_app(
     ray_cluster: Cluster, deploy: Deploy, replica_servers: list[str], router: str
 ) -> None:
-    deploy(*remote(replica_servers, f"routing.serve_request_router={router}"))
+    deploy(PROXY_PATH, *remote(replica_servers, f"routing.serve_request_router={router}"))
     document = DOCUMENT.replace("party", router)
     replicas = [
         complete(ray_cluster, document + f" Q{i}?").headers["x-prefixmesh-replica"]

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from prefixmesh.cache_registry.redis_server import LocalRedisServer
-from tests.e2e.conftest import Cluster, Deploy
+from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
@@ -59,6 +59,7 @@ def test_a_silent_or_killed_replica_leaves_the_redis_registry(
 
     namespace = f"e2e-{uuid.uuid4().hex[:8]}"
     deploy(
+        PROXY_PATH,
         "replica.engine=sim",
         "replica.num_replicas=2",
         "registry.backend=redis",

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import Cluster, Deploy
+from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -46,7 +46,12 @@ def wait_for(check, timeout_s: float) -> float:  # type: ignore[no-untyped-def]
 def test_a_killed_replica_leaves_the_registry(ray_cluster: Cluster, deploy: Deploy) -> None:
     import ray
 
-    deploy("replica.engine=sim", "replica.max_ongoing_requests=64", "replica.num_replicas=2")
+    deploy(
+        PROXY_PATH,
+        "replica.engine=sim",
+        "replica.max_ongoing_requests=64",
+        "replica.num_replicas=2",
+    )
     fill_caches(ray_cluster)
     wait_for(lambda: len(registry_replicas(ray_cluster)) == 2, 10)
     victim = sorted(registry_replicas(ray_cluster))[0]

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import Cluster, Deploy
+from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "demo-tiny"
@@ -18,7 +18,12 @@ DOCUMENT = " ".join(f"clause {i}: the party of the {i}th part shall comply." for
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster: Cluster, deploy: Deploy) -> Iterator[Cluster]:
-    deploy("replica.engine=sim", "replica.num_replicas=4", "replica.max_ongoing_requests=64")
+    deploy(
+        PROXY_PATH,
+        "replica.engine=sim",
+        "replica.num_replicas=4",
+        "replica.max_ongoing_requests=64",
+    )
     yield ray_cluster
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from prefixmesh.app import REPLICA_NAME
 from prefixmesh.config import PrefixmeshConfig
-from tests.e2e.conftest import Cluster, Deploy
+from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "demo-tiny"
@@ -28,7 +28,9 @@ REPLICA_SPANS = {
 
 @pytest.fixture(scope="module")
 def traced(ray_cluster: Cluster, deploy: Deploy) -> Iterator[tuple[Cluster, PrefixmeshConfig]]:
-    config = deploy("replica.engine=sim", "replica.num_replicas=1", "telemetry.tracing=memory")
+    config = deploy(
+        PROXY_PATH, "replica.engine=sim", "replica.num_replicas=1", "telemetry.tracing=memory"
+    )
     yield ray_cluster, config
 
 

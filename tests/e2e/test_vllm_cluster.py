@@ -11,7 +11,7 @@ import openai
 import psutil
 import pytest
 
-from tests.e2e.conftest import Cluster, Deploy
+from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
 MODEL = "demo-tiny"
@@ -21,7 +21,12 @@ LONG_TEXT = " ".join(f"def function_{i}(value): return value * {i} + 1\n" for i 
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster: Cluster, deploy: Deploy) -> Iterator[Cluster]:
-    deploy("replica.engine=vllm", "replica.num_replicas=2", "replica.vllm.kv_cache_gib=0.25")
+    deploy(
+        PROXY_PATH,
+        "replica.engine=vllm",
+        "replica.num_replicas=2",
+        "replica.vllm.kv_cache_gib=0.25",
+    )
     yield ray_cluster
 
 

@@ -29,11 +29,11 @@ async def test_a_sibling_from_another_router_is_held_on_the_computing_replica(
     first, sibling = cluster.request(doc, 1), cluster.request(doc, 2)
     computing = await a.decide(first, CANDIDATES)
     assert computing.hold is None
-    assert first.claim == first.block_hashes[HEAD_BLOCKS - 1]
+    assert computing.claim == first.block_hashes[HEAD_BLOCKS - 1]
     held = await b.decide(sibling, CANDIDATES)
     assert held.chosen == computing.chosen
-    assert sibling.hold is not None and sibling.hold.max_wait_s > 0
-    assert sibling.claim is None
+    assert held.hold is not None and held.hold.max_wait_s > 0
+    assert held.claim is None
     # The claim names the computing replica in Redis until that replica releases it.
     registry = await cluster.client()
     head = BlockHash(first.block_hashes[HEAD_BLOCKS - 1])
@@ -59,7 +59,7 @@ async def test_simultaneous_siblings_elect_one_computer(cluster: Cluster) -> Non
             held = first if holds[0] else second
             assert held.reason == CLAIM_REASON
             converted += 1
-        assert one.claim is not None or two.claim is not None
+        assert first.claim is not None or second.claim is not None
         for router, request in ((a, one), (b, two)):
             with router.local.lock:  # finished: the next pair starts on idle replicas again
                 router.local.ledger.finished(request.request_id)
@@ -77,5 +77,5 @@ async def test_an_expired_claim_frees_routing(cluster: Cluster) -> None:
     await asyncio.sleep(0.2)
     decision = await b.decide(sibling, CANDIDATES)
     assert decision.hold is None and decision.reason != CLAIM_REASON
-    assert sibling.claim == head  # it computes the prefix now, and claimed it
+    assert decision.claim == head  # it computes the prefix now, and claimed it
     assert await registry.inflight(head) == decision.chosen

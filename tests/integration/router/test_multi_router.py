@@ -32,8 +32,8 @@ async def test_same_prefix_same_holder_from_every_router(cluster: Cluster) -> No
         request = cluster.request(doc, i)
         decision = await router.decide(request, CANDIDATES)
         assert decision.chosen == holder, (i, decision)
-        assert request.matched_blocks == DOC_BLOCKS
-        assert request.claim is None and request.hold is None  # warm: nothing to claim
+        assert decision.matched_blocks == DOC_BLOCKS
+        assert decision.claim is None and decision.hold is None  # warm: nothing to claim
 
 
 async def test_a_hot_group_has_the_same_members_from_every_router(cluster: Cluster) -> None:
@@ -98,6 +98,6 @@ async def test_a_new_router_starts_from_redis(cluster: Cluster) -> None:
     request = cluster.request(doc, 1)
     decision = await late.decide(request, CANDIDATES)
     assert decision.chosen == holder
-    assert request.matched_blocks == DOC_BLOCKS
+    assert decision.matched_blocks == DOC_BLOCKS
     assert decision.hold is None
     assert len(request.prompt_token_ids) - DOC_BLOCKS * BLOCK < BLOCK  # only the question left

@@ -4,6 +4,7 @@ in-memory exporter: no Serve."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -54,7 +55,8 @@ def _server(engine: _Engine) -> ReplicaServer:
     server._releases = set()
     server._registry = None
     server._prefill_tokens = {}
-    server._running = 0
+    server._running = set()
+    server._finished = deque(maxlen=8)
     return server
 
 

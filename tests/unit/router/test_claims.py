@@ -50,7 +50,7 @@ async def test_a_cold_long_prefix_is_claimed_for_its_replica() -> None:
     decision = await core.decide(first, candidates())
     head = BlockHash(first.block_hashes[HEAD_BLOCKS - 1])
     assert decision.hold is None
-    assert first.claim == head
+    assert decision.claim == head
     assert state.registry.live_claim(head) is not None
     assert state.registry.live_claim(head)[0] == decision.chosen  # type: ignore[index]
     # The ingress sees the first token: the ledger releases the claim.
@@ -71,10 +71,10 @@ async def test_another_replicas_claim_turns_the_decision_into_a_hold_there() -> 
         state.ledger.routed("queued-on-r3", REPLICAS[3], 4000)
     decision = await core.decide(sibling, candidates())
     assert decision.chosen == REPLICAS[3]
-    assert decision.reason == CLAIM_REASON == sibling.routed_by
-    assert sibling.hold is not None and sibling.hold.num_blocks == HEAD_BLOCKS
-    assert 0 < sibling.hold.max_wait_s < 5.0
-    assert sibling.claim is None  # the held request computes nothing worth claiming
+    assert decision.reason == CLAIM_REASON
+    assert decision.hold is not None and decision.hold.num_blocks == HEAD_BLOCKS
+    assert 0 < decision.hold.max_wait_s < 5.0
+    assert decision.claim is None  # the held request computes nothing worth claiming
     assert len(decision.ranked) > 1  # the other candidates stay as fallbacks
 
 
@@ -86,7 +86,7 @@ async def test_a_claim_by_a_replica_that_is_not_a_candidate_is_ignored() -> None
     state.registry.claim_inflight(head, ReplicaId("gone"), 5.0)
     decision = await core.decide(sibling, candidates())
     assert decision.hold is None and decision.reason != CLAIM_REASON
-    assert sibling.claim is None
+    assert decision.claim is None
 
 
 async def test_no_claim_for_a_warm_prefix_a_short_prompt_or_when_disabled() -> None:
@@ -95,15 +95,13 @@ async def test_no_claim_for_a_warm_prefix_a_short_prompt_or_when_disabled() -> N
     warm = request(4)
     stored = CacheEvent(EventKind.STORED, REPLICAS[1], 0, 0, Tier.GPU, warm.block_hashes[:12])
     state.registry.publish([stored])
-    await core.decide(warm, candidates())
-    assert warm.routed_to == REPLICAS[1] and warm.claim is None
+    routed = await core.decide(warm, candidates())
+    assert routed.chosen == REPLICAS[1] and routed.claim is None
     short = request(5, tokens=list(range(200)))  # one block: below hold_min_tokens
-    await core.decide(short, candidates())
-    assert short.claim is None
+    assert (await core.decide(short, candidates())).claim is None
     off = core_on(fresh_state(), "routing.prefixmesh.hold_claims=false")
     cold = request(6, tokens=[t + 1 for t in DOCUMENT])
-    await off.decide(cold, candidates())
-    assert cold.claim is None
+    assert (await off.decide(cold, candidates())).claim is None
 
 
 def test_a_claim_waits_a_share_of_the_prefill_it_can_save() -> None:

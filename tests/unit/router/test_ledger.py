@@ -64,3 +64,24 @@ def test_a_claim_follows_a_retried_decision() -> None:
     ledger.finished("r1")
     assert released == [(7, A)]
     ledger.forget_replica(B)
+
+
+def test_requests_a_replica_reported_leave_the_ledger_with_their_claims() -> None:
+    released: list[tuple[BlockHash, ReplicaId]] = []
+    ledger = LoadLedger(lambda claim, replica: released.append((claim, replica)))
+    ledger.routed("r1", A, 300, BlockHash(7), now_s=1.0)
+    ledger.routed("r2", A, 100, now_s=1.0)
+    ledger.routed("r3", B, 50, now_s=1.0)
+    # The report lists r1 (arrived) and ids of other routers' requests.
+    assert ledger.seen(["r1", "someone-elses"]) == 1
+    assert released == [(BlockHash(7), A)]
+    assert ledger.load() == {A: LedgerLoad(1, 0, 100), B: LedgerLoad(1, 0, 50)}
+    assert ledger.seen(["r1"]) == 0  # listed again in the next report: nothing left to drop
+
+
+def test_entries_no_report_ever_lists_expire() -> None:
+    ledger = LoadLedger()
+    ledger.routed("old", A, 300, now_s=1.0)
+    ledger.routed("new", A, 100, now_s=9.0)
+    assert ledger.expire(now_s=10.0, older_than_s=5.0) == 1
+    assert ledger.load() == {A: LedgerLoad(1, 0, 100)}

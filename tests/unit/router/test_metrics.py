@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixmesh.router.generation import Generation
-from prefixmesh.router.metrics import IngressMetrics, RouterMetrics
+from prefixmesh.router.metrics import RouterMetrics
 from prefixmesh.wire import GenerateChunk, GenerateRequest, HoldInstruction, SamplingSettings
+from prefixmesh.wire.generation import Generation
+from prefixmesh.wire.request_metrics import RequestMetrics as IngressMetrics
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -44,7 +45,7 @@ def test_every_family_renders_with_its_labels() -> None:
     ingress.retried("before_first_token", "ActorDiedError")
     ingress.stream_errors.inc()
 
-    got = samples(ingress.render(router))
+    got = samples(ingress.render(router.registry))
 
     assert (
         got[("prefixmesh_routing_decisions_total", (("policy", "prefixmesh"), ("reason", "hit")))]
@@ -86,7 +87,7 @@ def test_a_replica_that_left_stops_being_reported() -> None:
     router.saw_load("r2", 0, 0, 0)
     router.forget_replica("r1")
     router.forget_replica("r1")  # twice (two Serve hooks can report one death): harmless
-    text = ingress.render(router)
+    text = ingress.render(router.registry)
     assert 'replica="r1"' not in text
     assert 'replica="r2"' in text
 
@@ -101,7 +102,7 @@ async def test_hold_time_comes_from_the_first_chunk() -> None:
     )
     await generation.first()
     ingress.first_token(generation)
-    got = samples(ingress.render(RouterMetrics()))
+    got = samples(ingress.render(RouterMetrics().registry))
     assert got[("prefixmesh_hold_seconds_count", ())] == 1
     assert got[("prefixmesh_hold_seconds_sum", ())] == 0.03
     assert got[("prefixmesh_cached_prompt_tokens_total", ())] == 2

@@ -12,7 +12,6 @@ import pytest
 
 from prefixmesh import tracing
 from prefixmesh.config import TelemetryConfig
-from prefixmesh.router.openai_protocol import APIError
 from prefixmesh.router.spans import (
     NO_REQUEST_TRACE,
     ORIGIN,
@@ -21,6 +20,7 @@ from prefixmesh.router.spans import (
     route_span,
 )
 from prefixmesh.wire import GenerateRequest
+from prefixmesh.wire.openai_protocol import APIError
 from tests.unit.router.test_serve_router import (
     BLOCKS,
     fake_replica,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from prefixmesh.router.openai_protocol import (
+from prefixmesh.wire.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

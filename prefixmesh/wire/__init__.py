@@ -1,9 +1,11 @@
-"""What travels between the ingress (router/) and the replicas (replica/) through Ray Serve.
+"""What travels between the router (router/) and the replicas (replica/), and the OpenAI API
+both speak (``openai_protocol``, ``openai_render``, ``generation``).
 
-Both packages import this module and never each other. The request router reads a
-``GenerateRequest`` as the first argument of a replica call and sets its ``hold`` and what it
-decided (``routed_to``, ``matched_blocks``); the ingress reads those back (same object, same
-process) for retries and response headers.
+Both packages import this package and never each other. On the proxy path the request router
+reads a ``GenerateRequest`` as the first argument of a replica call and sets its ``hold`` and what
+it decided (``routed_to``, ``matched_blocks``); the ingress reads those back (same object, same
+process) for retries and response headers. On the direct path the decision travels to the
+replica as trusted headers (``route_ticket``).
 """
 
 from __future__ import annotations
@@ -76,3 +78,9 @@ class GenerateChunk:
     replica_id: str = ""
     held_s: float = 0.0
     """Time the request waited in a delay-hit hold before entering the engine."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBalanced:
+    """A routing call without a prompt to key (the direct path's router could not read the
+    body, or ran out of time): the request router picks on load alone."""

@@ -1,0 +1,255 @@
+"""The direct path's replica: the OpenAI API served by the replica itself, behind HAProxy.
+
+HAProxy forwards each POST here after our router picked this replica, with the decision as
+trusted headers (``RouteTicket``). The replica validates, tokenizes and hashes the prompt (and
+checks that its key matches the router's digest), waits out a hold, runs the engine and streams
+server-sent events straight back. Nothing is sent before the first token: a replica that dies
+before it leaves HAProxy an empty response, and one whose engine fails before it answers 503;
+HAProxy sends both to another replica (``serving.retry_on`` with ``option redispatch``). After
+the first token a failure ends the stream with an error event and ``[DONE]``.
+
+GETs (models, health, metrics) reach any replica: HAProxy balances them by connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import Counter
+from ray import serve
+
+from prefixmesh.cache_registry.factory import make_hasher
+from prefixmesh.replica.deployment import ReplicaServer
+from prefixmesh.wire import GenerateChunk, GenerateRequest
+from prefixmesh.wire.generation import Generation
+from prefixmesh.wire.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+)
+from prefixmesh.wire.openai_render import (
+    MATCHED_BLOCKS_HEADER,
+    REPLICA_FAILED,
+    REPLICA_HEADER,
+    RETRIES_HEADER,
+    PromptEncoder,
+    brief,
+    check_model,
+    collect,
+    full_body,
+    mid_stream_error,
+    model_list,
+    new_request_id,
+    sse_events,
+)
+from prefixmesh.wire.request_metrics import RequestMetrics
+from prefixmesh.wire.route_ticket import RouteTicket, key_digest
+
+logger = logging.getLogger(__name__)
+api = FastAPI(title="prefixmesh replica", docs_url=None, redoc_url=None)
+
+
+class _LocalStream:
+    """The replica's own chunk generator in the shape ``Generation`` reads."""
+
+    def __init__(self, chunks: AsyncIterator[GenerateChunk]) -> None:
+        self._chunks = chunks
+        self._closing: asyncio.Task[None] | None = None
+
+    async def __anext__(self) -> GenerateChunk:
+        return await self._chunks.__anext__()
+
+    def cancel(self) -> None:
+        # Closing the generator runs its cleanup, which aborts the request in the engine.
+        close = getattr(self._chunks, "aclose", None)
+        if close is not None and self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(close())
+
+
+def _noop() -> None:
+    return None
+
+
+class DirectMetrics(RequestMetrics):
+    def __init__(self) -> None:
+        super().__init__()
+        self.key_mismatches = Counter(
+            "prefixmesh_route_key_mismatches",
+            "Requests whose block-hash digest differed from the router's (tokenizer or hashing "
+            "differ between them: routing is blind)",
+            registry=self.registry,
+        )
+        self.redispatched = Counter(
+            "prefixmesh_redispatched_requests",
+            "Requests served here that the router had sent to another replica (HAProxy "
+            "retried them after that replica failed)",
+            registry=self.registry,
+        )
+        self.unrouted = Counter(
+            "prefixmesh_unrouted_requests",
+            "Requests that reached this replica without a routing decision",
+            registry=self.registry,
+        )
+
+
+@serve.ingress(api)
+class ReplicaHTTPServer(ReplicaServer):
+    async def __init__(self, config_json: str, model_path: str, router_name: str) -> None:
+        from transformers import AutoTokenizer
+
+        await super().__init__(config_json, model_path, router_name)
+        self._encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
+        self._hasher = make_hasher(self.config)
+        self._metrics = DirectMetrics()
+        self._max_model_len = self.config.replica.vllm.max_model_len
+        self._max_body_bytes = self.config.serving.max_body_bytes
+        self._created = int(time.time())
+
+    # ---- small endpoints -------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return model_list(self.config.model, self._created, self._max_model_len)
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        return PlainTextResponse(self._metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # ---- generation ------------------------------------------------------------------------
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: Request, chat: bool) -> Response:
+        received_ns = time.time_ns()
+        ticket = RouteTicket.from_headers(request.headers)
+        try:
+            return await self._respond(request, chat, ticket, received_ns)
+        except APIError as exc:
+            self._metrics.error(exc.status)
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def _respond(
+        self, request: Request, chat: bool, ticket: RouteTicket | None, received_ns: int
+    ) -> Response:
+        raw = await request.body()
+        if len(raw) > self._max_body_bytes:
+            # Longer than HAProxy forwards to the router: it balanced the request blind.
+            raise APIError(
+                413,
+                f"the request body has {len(raw)} bytes; the limit is {self._max_body_bytes}",
+                code="request_too_large",
+            )
+        body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
+        check_model(body.model, self.config.model)
+        ids, max_tokens = await self._encoder.prompt_of(body, chat)
+        sampling = body.engine_sampling(
+            len(ids), max_tokens, self._max_model_len, self._encoder.eos_token_id
+        )
+        key = self._hasher.hash_tokens(ids)
+        generate = self._request(ticket, chat, tuple(ids), key.block_hashes, sampling)
+        # TTFT counts from when the request entered the cluster (the router's clock).
+        entered_ns = ticket.arrived_ns if ticket is not None and ticket.arrived_ns else received_ns
+        started_s = time.monotonic() - max(0, time.time_ns() - entered_ns) / 1e9
+        generation = Generation(
+            _LocalStream(self.generate(generate)),
+            self._encoder.decode,
+            len(ids),
+            body.stop_strings(),
+            _noop,
+            _noop,
+            request=generate,
+            started_s=started_s,
+        )
+        try:
+            await generation.first()
+        except Exception as exc:  # nothing sent yet: 503 makes HAProxy try another replica
+            logger.warning(
+                "request %s failed before its first token: %s", generate.request_id, brief(exc)
+            )
+            message = f"the replica failed before the first token: {brief(exc)}"
+            raise APIError(503, message, error_type="server_error", code=REPLICA_FAILED) from None
+        self._metrics.first_token(generation)
+        redispatched = ticket is not None and ticket.replica_id != self.replica_id
+        headers = {
+            REPLICA_HEADER: self.replica_id,
+            RETRIES_HEADER: "1" if redispatched else "0",
+            MATCHED_BLOCKS_HEADER: str(ticket.matched_blocks if ticket and not redispatched else 0),
+        }
+        request_id = generate.request_id
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = sse_events(
+                generation,
+                request_id,
+                self.config.model,
+                chat,
+                include_usage,
+                self._stream_failed(request_id),
+                lambda: self._metrics.finished(generation),
+            )
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        try:
+            async with asyncio.timeout(self.config.ingress.request_timeout_s):
+                text, finish = await collect(generation)
+        except TimeoutError:
+            raise APIError(504, "the request timed out", error_type="server_error") from None
+        self._metrics.finished(generation)
+        payload = full_body(request_id, self.config.model, chat, text, finish, generation)
+        return JSONResponse(payload, headers=headers)
+
+    def _request(
+        self,
+        ticket: RouteTicket | None,
+        chat: bool,
+        ids: tuple[int, ...],
+        block_hashes: tuple[int, ...],
+        sampling: Any,
+    ) -> GenerateRequest:
+        """The engine request, with the router's decision when it was made for this replica."""
+        if ticket is None:
+            self._metrics.unrouted.inc()
+            return GenerateRequest(new_request_id(chat), ids, block_hashes, sampling)
+        if ticket.key_digest and ticket.key_digest != key_digest(block_hashes):
+            self._metrics.key_mismatches.inc()
+            logger.warning("request %s: the router keyed another prompt", ticket.request_id)
+        mine = ticket.replica_id == self.replica_id
+        if not mine:
+            self._metrics.redispatched.inc()
+        return GenerateRequest(
+            ticket.request_id,
+            ids,
+            block_hashes,
+            sampling,
+            # A hold or claim was meant for the replica the router chose, not for this one.
+            hold=ticket.hold if mine else None,
+            routed_by=ticket.reason,
+            claim=ticket.claim if mine else None,
+            routed_to=ticket.replica_id,
+            matched_blocks=ticket.matched_blocks if mine else 0,
+            trace_context=dict(ticket.trace_context) if ticket.trace_context else None,
+        )
+
+    def _stream_failed(self, request_id: str) -> Any:
+        def failed(exc: BaseException) -> APIError:
+            logger.warning("stream %s failed mid-stream: %s", request_id, brief(exc))
+            self._metrics.stream_errors.inc()
+            return mid_stream_error(exc)
+
+        return failed

@@ -1,0 +1,172 @@
+"""The direct path's router: Ray Serve's HAProxy asks it where each POST goes.
+
+HAProxy's Lua action forwards the client's body to ``POST /internal/route`` and pins the request
+to the replica named in the answer, setting the answer's ``request_headers`` on it as trusted
+headers (``wire/route_ticket.py``). Here the body is validated, templated, tokenized and hashed,
+and the replica handle's request router (ours, ``serve_router.py``: registry lookup, policy,
+claims, speculative entries) picks the replica without dispatching anything
+(``choose_replica(..., _reserve=False)``). The replica serves and streams the response itself.
+
+HAProxy answers the client 503 when a routing call errs or outlasts
+``serving.router_timeout_s``, so this never errs and answers within ``route_budget_share`` of
+it: an invalid body (the replica re-validates it and answers the OpenAI error), a body longer
+than HAProxy forwards, a slow registry or a failing policy all get a load-balanced pick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from ray import serve
+
+from prefixmesh import tracing
+from prefixmesh.cache_registry.factory import make_hasher, make_memory_state
+from prefixmesh.cache_registry.types import CacheEvent, PublishResult
+from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.router.local_state import local_state
+from prefixmesh.wire import GenerateRequest, LoadBalanced
+from prefixmesh.wire.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+)
+from prefixmesh.wire.openai_render import PromptEncoder, check_model, new_request_id
+from prefixmesh.wire.route_ticket import RouteTicket, key_digest
+
+logger = logging.getLogger(__name__)
+api = FastAPI(title="prefixmesh router", docs_url=None, redoc_url=None)
+TRUNCATED_HEADER = "x-body-truncated"
+"""HAProxy's mark on a body longer than it buffers for the router."""
+_CHAT_KEYS = (b'"messages"',)
+
+
+@serve.ingress(api)
+class RouterServer:
+    def __init__(self, replicas: Any, config_json: str, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = PrefixmeshConfig.model_validate_json(config_json)
+        config = self.config
+        tracing.setup(config.telemetry, "router")  # the request router shares this process
+        self._replicas = replicas
+        self._replicas._init()  # build the handle's request router now, not at the first POST
+        self._encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
+        self._hasher = make_hasher(config)
+        self._local = local_state(config.app_name, lambda: make_memory_state(config))
+        self._max_model_len = config.replica.vllm.max_model_len
+        serving = config.serving
+        self._budget_s = serving.router_timeout_s * serving.route_budget_share
+        self._unseen_expiry_s = config.ingress.request_timeout_s
+        self.routed = 0
+        self.fallbacks = 0
+
+    @api.post("/internal/route")
+    async def route(self, request: Request) -> Response:
+        arrived_ns = time.time_ns()
+        raw = await request.body()
+        truncated = TRUNCATED_HEADER in request.headers
+        generate: GenerateRequest | None = None
+        try:
+            async with asyncio.timeout(self._budget_s):
+                if not truncated:  # a truncated body would key a wrong prefix: balance it
+                    generate = await self._prepare(raw)
+                return await self._choose(generate, arrived_ns)
+        except Exception as exc:  # the deadline, or anything else: never HAProxy's 503
+            if not isinstance(exc, TimeoutError):
+                logger.exception("routing failed; answering with a load-balanced pick")
+            self._local.metrics.fell_back("timeout" if isinstance(exc, TimeoutError) else "error")
+            async with asyncio.timeout(self._budget_s):
+                return await self._choose(None, arrived_ns)
+
+    async def _prepare(self, raw: bytes) -> GenerateRequest | None:
+        """The request as the replicas' router sees it; None for input the replica will refuse
+        (it answers the OpenAI error itself)."""
+        chat = any(key in raw for key in _CHAT_KEYS)
+        try:
+            body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
+            check_model(body.model, self.config.model)
+            ids, max_tokens = await self._encoder.prompt_of(body, chat)
+            sampling = body.engine_sampling(
+                len(ids), max_tokens, self._max_model_len, self._encoder.eos_token_id
+            )
+        except APIError:
+            return None
+        key = self._hasher.hash_tokens(ids)
+        return GenerateRequest(new_request_id(chat), tuple(ids), key.block_hashes, sampling)
+
+    async def _choose(self, generate: GenerateRequest | None, arrived_ns: int) -> Response:
+        target: Any = generate if generate is not None else LoadBalanced()
+        async with self._replicas.choose_replica(target, _reserve=False) as selection:
+            replica = selection._replica
+            full_id = replica.replica_id.to_full_id_str()
+            unique_id = replica.replica_id.unique_id
+        if generate is None:
+            self.fallbacks += 1
+            return JSONResponse({"replica_id": full_id})
+        self.routed += 1
+        ticket = RouteTicket(
+            request_id=generate.request_id,
+            replica_id=unique_id,
+            reason=generate.routed_by,
+            matched_blocks=generate.matched_blocks,
+            key_digest=key_digest(generate.block_hashes),
+            arrived_ns=arrived_ns,
+            hold=generate.hold if generate.routed_to == unique_id else None,
+            claim=generate.claim if generate.routed_to == unique_id else None,
+            trace_context=generate.trace_context,
+        )
+        return JSONResponse({"replica_id": full_id, "request_headers": ticket.headers()})
+
+    # ---- operators and tests (through the deployment handle: HAProxy sends GETs to the
+    # replicas) ---------------------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    async def router_metrics(self) -> str:
+        """The router's Prometheus exposition (decisions, lookups, holds, load it saw)."""
+        from prometheus_client import generate_latest
+
+        router = self._local.metrics
+        with self._local.lock:
+            router.ongoing.set(len(self._local.ledger))
+        return generate_latest(router.registry).decode()
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        return PlainTextResponse(await self.router_metrics(), media_type="text/plain")
+
+    async def counts(self) -> dict[str, int]:
+        """Requests routed (by decision, and load-balanced blind) and those still on their way
+        to a replica (the ledger, after the replicas' latest reports)."""
+        stats = self._local.replica_stats()
+        reports = [(str(s["replica_id"]), s) for s in stats]
+        with self._local.lock:
+            self._local.apply_reports(reports, time.monotonic(), self._unseen_expiry_s)
+            in_flight = len(self._local.ledger)
+        return {"routed": self.routed, "fallbacks": self.fallbacks, "in_flight": in_flight}
+
+    async def ingest_cache_events(self, events: list[CacheEvent]) -> list[PublishResult]:
+        """In-process registry mode: replicas send their cache events here."""
+        with self._local.lock:
+            return self._local.registry.publish(events)
+
+    async def registry_replicas(self) -> dict[str, Any]:
+        if self.config.registry.backend != "memory":
+            return {"backend": self.config.registry.backend, "replicas": None}
+        with self._local.lock:
+            replicas = sorted(self._local.registry.sequences)
+        return {"backend": "memory", "replicas": replicas}
+
+    async def replica_stats(self) -> list[dict[str, Any]]:
+        return self._local.replica_stats()
+
+    async def traces(self) -> list[dict[str, Any]]:
+        return tracing.finished_spans()

@@ -1,0 +1,193 @@
+"""The direct path (the default): Ray Serve's HAProxy asks our router deployment which replica
+takes each POST, the replica serves the OpenAI API itself and streams straight back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from prefixmesh.config import PrefixmeshConfig
+from tests.e2e.conftest import Cluster, Deploy
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+MODEL = "demo-tiny"
+DOCUMENT = " ".join(f"clause {i}: the party of the {i}th part shall comply." for i in range(120))
+MAX_BODY_BYTES = 65536
+
+
+@pytest.fixture(scope="module")
+def direct(ray_cluster: Cluster, deploy: Deploy) -> Iterator[tuple[Cluster, PrefixmeshConfig]]:
+    config = deploy(
+        "replica.engine=sim",
+        "replica.num_replicas=2",
+        "replica.max_ongoing_requests=64",
+        "replica.routing_stats_period_s=0.25",
+        f"serving.max_body_bytes={MAX_BODY_BYTES}",
+    )
+    assert config.serving.path == "direct"
+    yield ray_cluster, config
+
+
+def router(config: PrefixmeshConfig) -> Any:
+    from ray import serve
+
+    from prefixmesh.app import ROUTER_NAME
+
+    return serve.get_deployment_handle(ROUTER_NAME, config.app_name)
+
+
+def post(cluster: Cluster, body: dict[str, Any] | bytes, path: str = "/v1/completions") -> Any:
+    content = body if isinstance(body, bytes) else None
+    payload = None if isinstance(body, bytes) else body
+    return httpx.post(f"{cluster.base_url}{path}", json=payload, content=content, timeout=60)
+
+
+def wait_for(check: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_the_openai_client_streams_and_not(direct: tuple[Cluster, PrefixmeshConfig]) -> None:
+    cluster, _ = direct
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0)
+    response = client.completions.create(model=MODEL, prompt="hello", max_tokens=5)
+    assert response.usage is not None and response.usage.completion_tokens == 5
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_shared_prefix_requests_land_on_the_holder(
+    direct: tuple[Cluster, PrefixmeshConfig],
+) -> None:
+    cluster, config = direct
+    first = post(cluster, {"model": MODEL, "prompt": DOCUMENT + " Question 0?", "max_tokens": 2})
+    assert first.status_code == 200, first.text
+    holder = first.headers["x-prefixmesh-replica"]
+    time.sleep(0.3)
+    for i in range(1, 5):
+        body = {"model": MODEL, "prompt": DOCUMENT + f" Question {i}?", "max_tokens": 2}
+        response = post(cluster, body)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-prefixmesh-replica"] == holder
+        assert int(response.headers["x-prefixmesh-matched-blocks"]) >= 1
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
+    counts = router(config).counts.remote().result()
+    assert counts["routed"] >= 5  # decided by the router, not balanced blind
+
+
+def test_errors_are_openai_json_with_the_ingress_statuses(
+    direct: tuple[Cluster, PrefixmeshConfig],
+) -> None:
+    cluster, _ = direct
+    cases: list[tuple[dict[str, Any] | bytes, int, str | None]] = [
+        (b"{not json", 400, None),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
+        ({"model": "nope", "prompt": "x"}, 404, "model"),
+        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 413, "max_tokens"),
+        ({"model": MODEL, "prompt": "x" * (MAX_BODY_BYTES + 10)}, 413, None),
+    ]
+    for body, status, param in cases:
+        response = post(cluster, body)
+        assert response.status_code == status, body if isinstance(body, bytes) else status
+        error = response.json()["error"]
+        assert error["message"] and error["type"]
+        assert error["param"] == param
+    chat = post(cluster, {"model": MODEL, "messages": []}, "/v1/chat/completions")
+    assert chat.status_code == 422 and chat.json()["error"]["param"] == "messages"
+
+
+def test_gets_reach_the_replicas(direct: tuple[Cluster, PrefixmeshConfig]) -> None:
+    cluster, _ = direct
+    assert httpx.get(f"{cluster.base_url}/health", timeout=10).json() == {"status": "ok"}
+    post(cluster, {"model": MODEL, "prompt": "metrics please", "max_tokens": 2})
+    text = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
+    assert "prefixmesh_ttft_seconds_bucket" in text
+
+
+def test_the_router_learns_finished_requests_from_the_replicas_reports(
+    direct: tuple[Cluster, PrefixmeshConfig],
+) -> None:
+    """No Serve callback tells the router a request finished: the replicas' reports list the
+    requests they have seen, and the router's ledger drops them (600 s before expiry)."""
+    cluster, config = direct
+    handle = router(config)
+    threads = [
+        threading.Thread(
+            target=post,
+            args=(cluster, {"model": MODEL, "prompt": f"load {i}", "max_tokens": 16}),
+        )
+        for i in range(6)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wait_for(
+        lambda: handle.counts.remote().result()["in_flight"] == 0,
+        10,
+        "the router's ledger to empty after the replicas reported",
+    )
+    metrics = handle.router_metrics.remote().result()
+    assert "prefixmesh_routing_decisions_total" in metrics
+
+
+def test_a_replica_killed_before_the_first_token_loses_nothing(
+    ray_cluster: Cluster, deploy: Deploy
+) -> None:
+    """HAProxy retries a request whose replica sent nothing (it sends nothing before the
+    first token) on another replica."""
+    import ray
+
+    config = deploy(
+        "replica.engine=sim",
+        "replica.num_replicas=2",
+        "replica.sim.time_scale=100",  # a 2,500-token prefill takes seconds
+        "replica.routing_stats_period_s=0.25",
+    )
+    handle = router(config)
+    result: dict[str, httpx.Response] = {}
+    prompt = " ".join(f"word{i}" for i in range(800))  # about 2,500 tokens
+
+    def send() -> None:
+        result["response"] = post(ray_cluster, {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+
+    sender = threading.Thread(target=send)
+    sender.start()
+
+    def busy_replica() -> str | None:
+        for stats in handle.replica_stats.remote().result():
+            if stats.get("queued_requests", 0) >= 1:
+                return str(stats["replica_id"])
+        return None
+
+    victim = wait_for(busy_replica, 20, "a replica to report the request queued")
+    name = f"SERVE_REPLICA::{config.app_name}#Replica#{victim}"
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    sender.join(timeout=120)
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    assert response.headers["x-prefixmesh-replica"] != victim
+    assert response.headers["x-prefixmesh-retries"] == "1"
+    assert response.json()["usage"]["completion_tokens"] == 2
