@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -26,7 +26,7 @@ from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.loadtest.keys import token_id
 from prefixmesh.loadtest.workloads import BurstWorkload, GroupsWorkload, WorkloadRequest
-from prefixmesh.local_ray import init_local_ray
+from prefixmesh.local_ray import configure_environment, init_local_ray, stop_haproxy
 
 VOCAB = 8192  # the demo model's
 BOS = 0
@@ -214,52 +214,90 @@ def bench_policy(
     )
 
 
-def measure_overhead(config: PrefixmeshConfig, url: str, samples: int) -> dict[str, float]:
-    """Sequential one-token requests three ways: through the HTTP proxy and the ingress (and
-    our router), straight to the replica handle from this driver (our router too, no ingress),
-    and the proxy + FastAPI alone (``/health``, Ray's own floor). The difference of the first
-    two medians is what the ingress and router add."""
+def _serving_cpu_s() -> float:
+    """CPU seconds used so far by every process this driver started (Ray's GCS, raylet,
+    dashboard agents, the Serve controller and proxies, HAProxy, router and replicas), not the
+    driver itself (the client). Processes that exited in between are not counted."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def _median_ms(values: list[float]) -> float:
+    return round(statistics.median(values) * 1000, 2)
+
+
+def measure_overhead(
+    config: PrefixmeshConfig, url: str, samples: int, replica_p50_ms: float | None = None
+) -> dict[str, Any]:
+    """What the serving path costs a request, on sequential one-token requests:
+
+    - ``full_p50_ms``: through the front door (HAProxy or Ray's proxy, router, replica);
+    - ``replica_p50_ms``: straight to one replica's own HTTP port, interleaved with the above
+      (the direct path's replicas serve HTTP; the proxy path's do not: pass the direct path's
+      number);
+    - ``added_p50_ms``: their difference, what the ingress and router add;
+    - ``cpu_ms_per_request``: CPU time of every serving process per front-door request, less
+      what they burn idle over the same time (measured first, without requests).
+    """
     import httpx
     from ray import serve
 
-    from prefixmesh.app import REPLICA_NAME, build_app
-    from prefixmesh.cache_registry.factory import make_hasher
-    from prefixmesh.wire import GenerateRequest, SamplingSettings
+    from prefixmesh.app import ROUTER_NAME, build_app
 
     serve.run(build_app(config), name=config.app_name, route_prefix="/")
     try:
-        handle = serve.get_deployment_handle(REPLICA_NAME, config.app_name)
-        hasher = make_hasher(config)
         prompt = [BOS, *(token_id(7, i, VOCAB) for i in range(31))]
-        key = hasher.hash_tokens(prompt).block_hashes
         body = {"model": config.model, "prompt": prompt, "max_tokens": 1}
-        http, direct, health = [], [], []
+        replica_url = None
+        if config.serving.path == "direct":
+            router = serve.get_deployment_handle(ROUTER_NAME, config.app_name)
+            host, port = router.replica_endpoints.remote().result()[0]
+            replica_url = f"http://{host}:{port}"
+        full: list[float] = []
+        replica: list[float] = []
         with httpx.Client(timeout=30) as client:
             for i in range(samples + 5):  # the first few warm connections up
                 started = time.perf_counter()
                 assert client.post(f"{url}/v1/completions", json=body).status_code == 200
                 middle = time.perf_counter()
-                request = GenerateRequest(f"direct-{i}", tuple(prompt), key, SamplingSettings(1))
-                for _ in handle.options(stream=True).generate.remote(request):
-                    pass
-                end = time.perf_counter()
-                client.get(f"{url}/health")
+                if replica_url is not None:
+                    response = client.post(f"{replica_url}/v1/completions", json=body)
+                    assert response.status_code == 200
                 if i >= 5:
-                    http.append(middle - started)
-                    direct.append(end - middle)
-                    health.append(time.perf_counter() - end)
+                    full.append(middle - started)
+                    replica.append(time.perf_counter() - middle)
+            idle_window_s = 5.0
+            idle_start = _serving_cpu_s()
+            time.sleep(idle_window_s)
+            idle_rate = (_serving_cpu_s() - idle_start) / idle_window_s
+            cpu_start, wall_start = _serving_cpu_s(), time.perf_counter()
+            for _ in range(samples):
+                assert client.post(f"{url}/v1/completions", json=body).status_code == 200
+            wall_s = time.perf_counter() - wall_start
+            busy_cpu_s = _serving_cpu_s() - cpu_start - idle_rate * wall_s
     finally:
         serve.delete(config.app_name)
-    ms = {
-        name: statistics.median(v) * 1000
-        for name, v in (
-            ("http_p50_ms", http),
-            ("handle_p50_ms", direct),
-            ("proxy_health_p50_ms", health),
-        )
+    result: dict[str, Any] = {
+        "path": config.serving.path,
+        "samples": samples,
+        "full_p50_ms": _median_ms(full),
+        "idle_cpu_share": round(idle_rate, 4),
+        "cpu_ms_per_request": round(busy_cpu_s / samples * 1000, 2),
     }
-    ms["added_by_ingress_and_router_p50_ms"] = ms["http_p50_ms"] - ms["handle_p50_ms"]
-    return {k: round(v, 2) for k, v in ms.items()}
+    if replica_url is not None:
+        replica_p50_ms = _median_ms(replica)
+    if replica_p50_ms is not None:
+        result["replica_p50_ms"] = replica_p50_ms
+        result["added_p50_ms"] = round(result["full_p50_ms"] - replica_p50_ms, 2)
+    return result
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
@@ -322,7 +360,12 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         type=int,
         default=0,
         metavar="N",
-        help="instead: measure what the ingress and router add, N samples",
+        help="instead: measure what the serving path adds (latency and CPU), N samples",
+    )
+    parser.add_argument(
+        "--overhead-paths",
+        default="direct,proxy",
+        help="with --overhead: serving paths to measure side by side (direct, proxy)",
     )
     parser.add_argument("--json", type=Path)
     return parser.parse_args(argv)
@@ -369,10 +412,6 @@ def kv_settings(args: argparse.Namespace, block_size: int) -> list[str]:
 
 def main(argv: list[str], prog: str = "serving-bench") -> int:
     args = parse_args(argv, prog)
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    import ray
-    from ray import serve
-
     workload = make_workload(args)
     prompts = [render(r) for r in workload]
     port = free_port()
@@ -394,16 +433,37 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
         (policy, [f"routing.policy={policy}"]) for policy in args.policies.split(",")
     ]
     temp_dir = tempfile.mkdtemp(prefix="pmbench-", dir="/tmp")
+    # HAProxy in front when any run takes the direct path; proxy-path apps run behind it too.
+    paths = args.overhead_paths.split(",") if args.overhead else []
+    serving = load_config(
+        overrides=[*base, *(["serving.path=direct"] if "direct" in paths else [])]
+    ).serving
+    haproxy_dir = configure_environment(serving)  # before Serve is imported: it reads them then
+    import ray
+    from ray import serve
+
     init_local_ray(temp_dir)
     reports: list[PolicyReport] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
         if args.overhead:
-            overhead = measure_overhead(load_config(overrides=base), url, args.overhead)
-            print(json.dumps(overhead))
+            rows_out: list[dict[str, Any]] = []
+            replica_p50_ms = None
+            # The direct path first: the proxy path is compared with its replicas' own port.
+            for path in sorted(args.overhead_paths.split(","), key=lambda p: p != "direct"):
+                config = load_config(overrides=[*base, f"serving.path={path}"])
+                row = measure_overhead(config, url, args.overhead, replica_p50_ms)
+                replica_p50_ms = row.get("replica_p50_ms", replica_p50_ms)
+                rows_out.append(row)
+                print(json.dumps(row), flush=True)
             if args.json:
-                args.json.write_text(json.dumps({"engine": args.engine, **overhead}) + "\n")
+                summary = {"engine": args.engine, "paths": rows_out}
+                first = rows_out[0]
+                summary.update(
+                    {k: first[k] for k in ("added_p50_ms", "cpu_ms_per_request") if k in first}
+                )
+                args.json.write_text(json.dumps(summary, indent=2) + "\n")
             return 0
         for label, overrides in rows:
             config = load_config(overrides=[*base, *overrides])
@@ -415,6 +475,9 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
         ray.shutdown()
         if redis is not None:
             redis.stop()
+        if haproxy_dir is not None:
+            stop_haproxy(haproxy_dir)
+            shutil.rmtree(haproxy_dir, ignore_errors=True)
     result = {
         "engine": args.engine,
         "workload": args.workload,

@@ -393,9 +393,12 @@ class ServingConfig(_Section):
     route_budget_share: float = Field(default=0.5, gt=0, lt=1)
     """Share of ``router_timeout_s`` a routing call may take before it answers with a
     load-balanced choice."""
-    max_body_bytes: int = Field(default=8 * 2**20, ge=65536)
-    """Largest request body HAProxy buffers for the router (its ``tune.bufsize``); a longer
-    body is refused with 413 rather than routed on a truncated prompt."""
+    max_body_bytes: int = Field(default=2**20, ge=65536)
+    """Largest request body HAProxy buffers for the router; a longer body is refused with 413
+    rather than routed on a truncated prompt. It sets HAProxy's ``tune.bufsize``, the size of
+    every buffer it allocates, and retries need one per request: 8 MiB (Ray's default) cost
+    about 5 ms per request here, 1 MiB under 1 ms (docs/BENCHMARKS.md). 1 MiB is about 250K
+    tokens of text."""
     retry_on: str = "conn-failure empty-response 503"
     """HAProxy's ``retry-on``: a replica that dies before answering (it sends nothing before
     the first token) or answers 503 (its engine failed before the first token) has the request

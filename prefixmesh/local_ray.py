@@ -9,6 +9,7 @@ these settings from the environment of the processes it starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -66,6 +67,24 @@ def configure_environment(serving: ServingConfig | None = None) -> Path | None:
     run_dir = Path(tempfile.mkdtemp(prefix="pmh-", dir="/tmp"))
     os.environ.update(haproxy_environment(serving, run_dir))
     return run_dir
+
+
+def stop_haproxy(run_dir: Path) -> list[int]:
+    """Stop the HAProxy processes whose config lives under ``run_dir`` (ours): Ray's proxy
+    actor started them, and when Ray shuts down they outlive it, draining for up to
+    ``hard-stop-after`` with the HTTP port still bound. Returns the PIDs stopped."""
+    import psutil
+
+    stopped = []
+    for process in psutil.process_iter(["name", "cmdline"]):
+        cmdline = process.info.get("cmdline") or []
+        if "haproxy" in (process.info.get("name") or "") and any(
+            str(run_dir) in part for part in cmdline
+        ):
+            with contextlib.suppress(psutil.Error):
+                process.terminate()  # SIGTERM: HAProxy's immediate stop
+                stopped.append(process.pid)
+    return stopped
 
 
 def init_local_ray(

@@ -11,7 +11,7 @@ import sys
 import threading
 
 from prefixmesh.config import load_config
-from prefixmesh.local_ray import configure_environment, init_local_ray
+from prefixmesh.local_ray import configure_environment, init_local_ray, stop_haproxy
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
@@ -82,6 +82,7 @@ def main(argv: list[str], prog: str = "serve") -> int:
     finally:
         ray.shutdown()
         if haproxy_dir is not None and not args.detach:
+            stop_haproxy(haproxy_dir)
             shutil.rmtree(haproxy_dir, ignore_errors=True)
     return 0
 

@@ -165,6 +165,13 @@ class RouterServer:
             replicas = sorted(self._local.registry.sequences)
         return {"backend": "memory", "replicas": replicas}
 
+    async def replica_endpoints(self) -> list[tuple[str, int]]:
+        """Each replica's own HTTP address (benchmarks compare the full path with it)."""
+        source = self._local.stats_source
+        replicas = list(source.curr_replicas.values()) if source is not None else []
+        endpoints = [r.backend_http_endpoint for r in replicas]
+        return sorted((str(e[0]), int(e[1])) for e in endpoints if e is not None)
+
     async def replica_stats(self) -> list[dict[str, Any]]:
         return self._local.replica_stats()
 

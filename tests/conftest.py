@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from prefixmesh.config import ServingConfig
-from prefixmesh.local_ray import configure_environment
+from prefixmesh.local_ray import configure_environment, stop_haproxy
 
 # Ray must listen and dial on 127.0.0.1 only (DESIGN.md §7), and Serve reads its HAProxy
 # settings (the direct path) at import: set before any test imports ray.
@@ -21,6 +21,7 @@ from prefixmesh.cache_registry.redis_server import LocalRedisServer  # noqa: E40
 def _haproxy_run_dir() -> Iterator[None]:
     yield
     if HAPROXY_RUN_DIR is not None:
+        stop_haproxy(HAPROXY_RUN_DIR)  # Ray's shutdown leaves it draining with its port bound
         shutil.rmtree(HAPROXY_RUN_DIR, ignore_errors=True)
 
 
