@@ -1,7 +1,8 @@
 """A burst of same-prefix requests on a cold document computes the document about once (issue 6,
-D2), with one ingress and the in-process registry, and with two ingresses sharing a Redis
-registry: there the siblings are routed by two routers at the same instant, and the registry
-claim elects one replica to compute the prefix while the rest wait for it there."""
+D2), on the direct path (issue 14): with one router and the in-process registry, and with two
+routers sharing a Redis registry (HAProxy round-robins its routing calls over them): there the
+siblings are routed by two routers at the same instant, and the registry claim elects one
+replica to compute the prefix while the rest wait for it there."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from prefixmesh.cache_registry.redis_server import LocalRedisServer
-from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
+from tests.e2e.conftest import Cluster, Deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "demo-tiny"
@@ -26,7 +27,7 @@ BLOCK = 128
 @pytest.fixture(
     scope="module",
     params=[("memory", 1), ("redis", 2)],
-    ids=["memory-1-ingress", "redis-2-ingresses"],
+    ids=["memory-1-router", "redis-2-routers"],
 )
 def burst_cluster(
     request: pytest.FixtureRequest, ray_cluster: Cluster, deploy: Deploy
@@ -39,7 +40,7 @@ def burst_cluster(
         f"ingress.num_replicas={ingresses}",
     ]
     if backend == "memory":
-        deploy(PROXY_PATH, *overrides)
+        deploy(*overrides)
         yield ray_cluster
         return
     redis = LocalRedisServer()
@@ -49,7 +50,6 @@ def burst_cluster(
         # default 5 ms lookup deadline, and the router then routes on load alone (its lookup
         # bound, tested in test_faults.py). This test is about the claim between ingresses.
         deploy(
-            PROXY_PATH,
             *overrides,
             "registry.backend=redis",
             f"registry.redis_url={redis.url}",
@@ -61,8 +61,13 @@ def burst_cluster(
 
 
 def replica_stats(cluster: Cluster) -> dict[str, dict[str, Any]]:
-    stats = httpx.get(f"{cluster.base_url}/admin/replicas", timeout=30).json()
-    return {s["replica_id"]: s for s in stats}
+    """The replicas' latest reports, as a router (one of them) sees them."""
+    from ray import serve
+
+    from prefixmesh.app import ROUTER_NAME
+
+    stats = serve.get_deployment_handle(ROUTER_NAME, "prefixmesh").replica_stats.remote()
+    return {s["replica_id"]: s for s in stats.result(timeout_s=30)}
 
 
 def computed_tokens(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> int:
