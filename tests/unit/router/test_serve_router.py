@@ -24,7 +24,7 @@ from prefixmesh.cache_registry.types import (
 from prefixmesh.config import load_config
 from prefixmesh.router.decide import _lookup_outcome
 from prefixmesh.router.serve_router import PrefixmeshRequestRouter
-from prefixmesh.wire import GenerateRequest, SamplingSettings
+from prefixmesh.wire import GenerateRequest, LoadBalanced, SamplingSettings
 
 BLOCK = 128
 BLOCKS = tuple(BlockHash(100 + i) for i in range(4))
@@ -143,3 +143,36 @@ def test_lookup_outcomes(
     hits: dict[ReplicaId, Any], elapsed_s: float, available: bool, failed: bool, outcome: str
 ) -> None:
     assert _lookup_outcome(hits, elapsed_s, 0.005, available, failed) == outcome
+
+
+async def test_a_call_without_a_prompt_goes_to_the_less_loaded_of_two() -> None:
+    router = make_router()
+    busy, idle = fake_replica("busy"), fake_replica("idle")
+    busy.routing_stats = {"queued_requests": 3, "running_requests": 2}
+    idle.routing_stats = {"queued_requests": 0, "running_requests": 1}
+    call = SimpleNamespace(args=[LoadBalanced()], kwargs={})
+    for _ in range(5):  # the pair is random; with two candidates it is always both
+        ranked = await router.choose_replicas([busy, idle], call)
+        assert [r.replica_id.unique_id for r in ranked[0]] == ["idle", "busy"]
+
+
+def test_the_direct_path_counts_a_report_plus_what_no_report_lists_yet() -> None:
+    """No Serve callback says when a request finished on the direct path: a replica's report
+    counts what reached it, the ledger what was routed since and not yet listed."""
+    from prefixmesh.router.decide import Candidate
+
+    router = make_router()  # serving.path=direct, the default
+    core, local = router._core, router._local
+    with local.lock:
+        local.ledger.routed("arrived", ReplicaId("r1"), 500, now_s=time.monotonic())
+        local.ledger.routed("on-its-way", ReplicaId("r1"), 300, now_s=time.monotonic())
+    report = {
+        "queued_requests": 1,
+        "running_requests": 2,
+        "pending_prefill_tokens": 500,
+        "seen_requests": ["arrived", "finished-earlier"],
+    }
+    [snapshot] = core.snapshots([Candidate(ReplicaId("r1"), report)])
+    assert (snapshot.queued_requests, snapshot.running_requests) == (2, 2)
+    assert snapshot.pending_prefill_tokens == 800
+    assert len(local.ledger) == 1

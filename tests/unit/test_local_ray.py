@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+from itertools import count
+from pathlib import Path
+
+from prefixmesh.config import load_config
+from prefixmesh.local_ray import haproxy_environment
+
+
+def test_haproxy_settings_keep_files_ports_and_limits_ours(tmp_path: Path) -> None:
+    ports = count(40000)
+    serving = load_config(overrides=["serving.router_timeout_s=3"]).serving
+    env = haproxy_environment(serving, tmp_path, lambda: next(ports))
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert env["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] == "1"
+    assert env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_TIMEOUT_S"] == "3"
+    assert env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"] == str(serving.max_body_bytes)
+    assert "empty-response" in env["RAY_SERVE_HAPROXY_RETRY_ON"]
+    # Nothing under the machine-wide /tmp/haproxy-serve, no fixed port another cluster holds.
+    paths = [v for k, v in env.items() if k.endswith(("_LOC", "_PATH", "_BASE", "_FILE"))]
+    assert len(paths) == 5 and all(p.startswith(str(tmp_path)) for p in paths)
+    port_values = [int(v) for k, v in env.items() if k.endswith("_PORT")]
+    assert sorted(port_values) == [40000, 40001, 40002, 40003]
+
+
+def test_configured_haproxy_ports_are_used(tmp_path: Path) -> None:
+    overrides = ["serving.haproxy_stats_port=9404", "serving.haproxy_metrics_port=9101"]
+    serving = load_config(overrides=overrides).serving
+    env = haproxy_environment(serving, tmp_path, lambda: 1)
+    assert env["RAY_SERVE_HAPROXY_STATS_PORT"] == "9404"
+    assert env["RAY_SERVE_HAPROXY_METRICS_PORT"] == "9101"
