@@ -147,13 +147,18 @@ async def play(
         )
 
 
-def _counters(url: str) -> dict[str, tuple[int, int]]:
-    import httpx
+def _counters(config: PrefixmeshConfig) -> dict[str, tuple[int, int]]:
+    """Each replica's prefix-cache counters, from its latest report as the router holds it
+    (the front deployment's ``replica_stats``: the Router's, or the proxy path's ingress)."""
+    from ray import serve
 
-    stats = httpx.get(f"{url}/admin/replicas", timeout=60).json()
+    from prefixmesh.app import INGRESS_NAME, ROUTER_NAME
+
+    front = ROUTER_NAME if config.serving.path == "direct" else INGRESS_NAME
+    stats = serve.get_deployment_handle(front, config.app_name).replica_stats.remote()
     return {
         s["replica_id"]: (s["prefix_cache_queries_tokens"], s["prefix_cache_hit_tokens"])
-        for s in stats
+        for s in stats.result(timeout_s=60)
     }
 
 
@@ -177,14 +182,14 @@ def bench_policy(
 
     serve.run(build_app(config), name=config.app_name, route_prefix="/")
     try:
-        before = _counters(url)
+        before = _counters(config)
         started = time.monotonic()
         outcomes = asyncio.run(
             play(url, config.model, workload, prompts, args.max_tokens, args.timeout_s)
         )
         duration = time.monotonic() - started
         time.sleep(2.5 * config.replica.routing_stats_period_s)  # the next stats poll
-        after = _counters(url)
+        after = _counters(config)
     finally:
         serve.delete(config.app_name)
     ok = [o for o in outcomes if not o.error and o.ttft_s is not None]
