@@ -149,17 +149,22 @@ async def play(
 
 def _counters(config: PrefixmeshConfig) -> dict[str, tuple[int, int]]:
     """Each replica's prefix-cache counters, from its latest report as the router holds it
-    (the front deployment's ``replica_stats``: the Router's, or the proxy path's ingress)."""
+    (the front deployment's ``replica_stats``: the Router's, or the proxy path's ingress);
+    waits (60 s at most) until every replica has reported once."""
     from ray import serve
 
     from prefixmesh.app import INGRESS_NAME, ROUTER_NAME
 
     front = ROUTER_NAME if config.serving.path == "direct" else INGRESS_NAME
-    stats = serve.get_deployment_handle(front, config.app_name).replica_stats.remote()
-    return {
-        s["replica_id"]: (s["prefix_cache_queries_tokens"], s["prefix_cache_hit_tokens"])
-        for s in stats.result(timeout_s=60)
-    }
+    handle = serve.get_deployment_handle(front, config.app_name)
+    deadline = time.monotonic() + 60
+    keys = ("prefix_cache_queries_tokens", "prefix_cache_hit_tokens")
+    while True:
+        stats = handle.replica_stats.remote().result(timeout_s=60)
+        reported = [s for s in stats if all(k in s for k in keys)]
+        if len(reported) >= config.replica.num_replicas or time.monotonic() > deadline:
+            return {s["replica_id"]: (s[keys[0]], s[keys[1]]) for s in reported}
+        time.sleep(0.25)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -29,8 +29,9 @@ class LocalRouterState:
     stats_source: Any = None
     """The request router, whose replicas carry their latest reported stats."""
     lock: threading.Lock = field(default_factory=threading.Lock)
-    _applied_reports: dict[str, int] = field(default_factory=dict)
-    """Per replica, the id() of the ``seen_requests`` list last applied to the ledger."""
+    _applied_reports: dict[str, object] = field(default_factory=dict)
+    """Per replica, the ``seen_requests`` list last applied to the ledger (held, so that a new
+    report's list can never be mistaken for it by identity)."""
 
     def apply_reports(
         self, reports: Iterable[tuple[str, Mapping[str, Any]]], now_s: float, expiry_s: float
@@ -40,9 +41,9 @@ class LocalRouterState:
         object when a new report arrives), and expire entries no report ever listed."""
         for replica, stats in reports:
             seen = stats.get("seen_requests")
-            if seen is None or self._applied_reports.get(replica) == id(seen):
+            if seen is None or self._applied_reports.get(replica) is seen:
                 continue
-            self._applied_reports[replica] = id(seen)
+            self._applied_reports[replica] = seen
             self.ledger.seen(seen)
         self.ledger.expire(now_s, expiry_s)
 
