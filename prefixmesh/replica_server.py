@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
 import time
@@ -36,13 +35,14 @@ from prefixmesh.loadtest.prompts import Vocabulary, fast_encode, word_lookup
 from prefixmesh.replica.engine_server import EngineHost, engine_routes
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
 from prefixmesh.wire import GenerateChunk
-from prefixmesh.wire.generation import Generation, TextDelta
+from prefixmesh.wire.generation import Generation
 from prefixmesh.wire.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_body,
 )
+from prefixmesh.wire.openai_render import collect, full_body, sse_events
 
 logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-prefixmesh-replica"
@@ -102,11 +102,6 @@ class _EngineStream:
             self._closing = asyncio.get_running_loop().create_task(close())
 
 
-def _sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
 def _text(content: Any) -> str:
     if content is None:
         return ""
@@ -115,13 +110,6 @@ def _text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
     return str(content)
-
-
-def _choice_delta(delta: TextDelta, chat: bool) -> dict[str, Any]:
-    if chat:
-        content = {"content": delta.text} if delta.text else {}
-        return {"index": 0, "delta": content, "finish_reason": delta.finish_reason}
-    return {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
 
 
 class ReplicaService:
@@ -184,54 +172,13 @@ class ReplicaService:
         headers = {REPLICA_HEADER: self.replica_id}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._sse_stream(generation, request_id, chat, include_usage)
+            events = sse_events(
+                generation, request_id, self.config.model, chat, include_usage, _engine_failed
+            )
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        parts, finish = [], "stop"
-        async for delta in generation.deltas():
-            parts.append(delta.text)
-            finish = delta.finish_reason or finish
-        body_json = self._full_body(request_id, chat, "".join(parts), finish, generation)
+        text, finish = await collect(generation)
+        body_json = full_body(request_id, self.config.model, chat, text, finish, generation)
         return JSONResponse(body_json, headers=headers)
-
-    async def _sse_stream(
-        self, generation: Generation, request_id: str, chat: bool, include_usage: bool
-    ) -> AsyncIterator[bytes]:
-        base = {
-            "id": request_id,
-            "created": int(time.time()),
-            "model": self.config.model,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-        }
-        if chat:
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
-            yield _sse({**base, "choices": [{**role, "finish_reason": None}]})
-        try:
-            async for delta in generation.deltas():
-                yield _sse({**base, "choices": [_choice_delta(delta, chat)]})
-        except Exception as exc:  # the engine failed mid-stream: say so, then end the stream
-            logger.exception("stream %s failed", request_id)
-            error = APIError(502, f"the engine failed mid-stream: {exc}", error_type="server_error")
-            yield _sse(error.body())
-        else:
-            if include_usage:
-                yield _sse({**base, "choices": [], "usage": generation.usage.as_dict()})
-        yield _sse("[DONE]")
-
-    def _full_body(
-        self, request_id: str, chat: bool, text: str, finish: str, generation: Generation
-    ) -> dict[str, Any]:
-        base: dict[str, Any] = {
-            "id": request_id,
-            "created": int(time.time()),
-            "model": self.config.model,
-            "usage": generation.usage.as_dict(),
-        }
-        if chat:
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "finish_reason": finish}
-            return {**base, "object": "chat.completion", "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**base, "object": "text_completion", "choices": [choice]}
 
     # ---- what the remote engine and the peers ask for -----------------------------------------
 
@@ -297,6 +244,11 @@ class ReplicaService:
 
 def _nothing() -> None:
     return None
+
+
+def _engine_failed(exc: BaseException) -> APIError:
+    logger.error("stream failed: %s", exc)
+    return APIError(502, f"the engine failed mid-stream: {exc}", error_type="server_error")
 
 
 def build_app(service: ReplicaService) -> FastAPI:

@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Lookups have a deadline of a few ms: fine buckets below it, coarse ones for overruns.
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
-FALLBACK_REASONS = ("error", "registry_timeout", "registry_unavailable")
-"""``error``: the decision raised and power of two chose; ``registry_*``: the registry gave no
-answer in time (or is down) and the policy routed on load alone."""
+FALLBACK_REASONS = ("error", "timeout", "registry_timeout", "registry_unavailable")
+"""``error``: the decision raised and power of two chose; ``timeout``: a direct-path routing call
+ran out of its budget and was balanced on load; ``registry_*``: the registry gave no answer in
+time (or is down) and the policy routed on load alone."""
 LOAD_FIELDS = ("queued", "running", "pending_prefill_tokens")
 
 
