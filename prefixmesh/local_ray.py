@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.config import ServingConfig
 
 _WORKER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def haproxy_environment(
