@@ -44,6 +44,8 @@ api = FastAPI(title="prefixmesh router", docs_url=None, redoc_url=None)
 TRUNCATED_HEADER = "x-body-truncated"
 """HAProxy's mark on a body longer than it buffers for the router."""
 _CHAT_KEYS = (b'"messages"',)
+"""HAProxy forwards the body, not the path: a chat completion is the body with ``messages`` (a
+quote inside a JSON string is escaped, so a prompt cannot contain this byte string)."""
 
 
 @serve.ingress(api)
