@@ -41,7 +41,12 @@ class PromptEncoder:
         return list(await asyncio.to_thread(lambda: self.hf(prompt)["input_ids"]))
 
     async def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return await self.encode_messages(
+            [{"role": m.role, "content": m.text()} for m in body.messages]
+        )
+
+    async def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """Chat messages through the model's chat template, with the generation prompt."""
 
         def render() -> list[int]:
             ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
