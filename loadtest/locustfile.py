@@ -43,7 +43,7 @@ from prefixmesh.loadtest.plan import (
     roots_and_followers,
 )
 from prefixmesh.loadtest.poisson import Launch, OpenLoopScheduler
-from prefixmesh.loadtest.prompts import PromptRenderer, Vocabulary
+from prefixmesh.loadtest.prompts import PromptRenderer
 from prefixmesh.loadtest.report import (
     LiveSummary,
     RequestRecord,
@@ -52,6 +52,7 @@ from prefixmesh.loadtest.report import (
 )
 from prefixmesh.loadtest.sse import StreamResult, read_stream
 from prefixmesh.loadtest.workloads import WorkloadRequest
+from prefixmesh.wire.word_vocabulary import Vocabulary
 
 LIVE = LiveSummary()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixmesh.config import PrefixmeshConfig, load_config, merge_overrides
+from prefixmesh.replica.demo_model import resolve_model_path
 
 INGRESS_NAME = "Ingress"
 ROUTER_NAME = "Router"
@@ -33,15 +34,6 @@ def replica_env(config: PrefixmeshConfig) -> dict[str, str]:
         "DO_NOT_TRACK": "1",
         "VLLM_CACHE_ROOT": str(cache / "vllm"),
     }
-
-
-def resolve_model_path(config: PrefixmeshConfig) -> str:
-    if config.replica.model_path:
-        return config.replica.model_path
-    from prefixmesh.replica.demo_model import ensure_demo_model
-
-    cache = Path(config.cache_dir).expanduser()
-    return str(ensure_demo_model(cache / "models", config.replica.demo_model_size))
 
 
 def request_router_class(config: PrefixmeshConfig) -> Any:

@@ -56,7 +56,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "replay a trace or workload through the hierarchical cache policies: hit rate, writes",
     ),
     "replica-server": (
-        "prefixmesh.replica_server",
+        "prefixmesh.replica.standalone_server",
         "one replica's engine (sim or vllm) behind the OpenAI API on 127.0.0.1",
     ),
     "loadtest": (

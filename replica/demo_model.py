@@ -19,7 +19,10 @@ import sysconfig
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from prefixmesh.config import PrefixmeshConfig
 
 DemoSize = Literal["tiny", "small"]
 FORMAT_VERSION = 1
@@ -150,6 +153,15 @@ def ensure_demo_model(cache_dir: Path, size: DemoSize = "tiny") -> Path:
         with contextlib.suppress(FileExistsError):  # another process finished it first
             make_demo_model(path, size)
     return path
+
+
+def resolve_model_path(config: PrefixmeshConfig) -> str:
+    """The model folder replicas load: ``replica.model_path``, else the demo model (generated
+    into the cache folder on first use)."""
+    if config.replica.model_path:
+        return config.replica.model_path
+    cache = Path(config.cache_dir).expanduser()
+    return str(ensure_demo_model(cache / "models", config.replica.demo_model_size))
 
 
 def main(argv: list[str], prog: str = "make-demo-model") -> int:

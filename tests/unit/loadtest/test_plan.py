@@ -14,7 +14,8 @@ from prefixmesh.loadtest.plan import (
     build_plan,
     roots_and_followers,
 )
-from prefixmesh.loadtest.prompts import PromptRenderer, Vocabulary
+from prefixmesh.loadtest.prompts import PromptRenderer
+from prefixmesh.wire.word_vocabulary import Vocabulary
 from tests.fakes.tokenizer import tiny_tokenizer
 
 

@@ -44,3 +44,11 @@ def test_ensure_generates_once(tmp_path: Path) -> None:
 def test_unknown_size_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="size"):
         make_demo_model(tmp_path / "x", "huge")  # type: ignore[arg-type]
+
+
+def test_a_configured_model_path_is_used_as_given(tmp_path: Path) -> None:
+    from prefixmesh.config import load_config
+    from prefixmesh.replica.demo_model import resolve_model_path
+
+    config = load_config(overrides=[f"replica.model_path={tmp_path}"])
+    assert resolve_model_path(config) == str(tmp_path)

@@ -1,7 +1,8 @@
-"""``prefixmesh replica-server``: one replica's engine behind HTTP on 127.0.0.1.
+"""``prefixmesh replica-server``: one replica's engine behind HTTP on 127.0.0.1, no Ray Serve.
 
-Any router can sit in front of a fleet of these. Each serves the OpenAI API (completions and
-chat, streaming, ``usage.prompt_tokens_details.cached_tokens``), its prefix-cache counters on
+Any router can sit in front of a fleet of these (``prefixmesh compare`` puts the peer routers
+and ours in front of them in turn). Each serves the OpenAI API (completions and chat, streaming,
+``usage.prompt_tokens_details.cached_tokens``), its prefix-cache counters on
 ``/metrics`` in vLLM's names, and what the peer routers ask a worker for: ``/health``,
 ``/v1/models``, vLLM's ``/tokenize`` and ``/v1/completions/render`` (vllm-router's
 ``cache_aware`` calls one of them on every worker for every request), SGLang's
@@ -10,8 +11,8 @@ chat, streaming, ``usage.prompt_tokens_details.cached_tokens``), its prefix-cach
 native protocol (``replica/engine_server.py``), through which Ray Serve replicas forward here.
 
 The engine is the replica's own (``replica/engines/``: sim or vLLM, built by the replica
-deployment's ``make_engine``); the OpenAI request models, detokenization and stop strings are the
-ingress's (``router/``). Like ``prefixmesh.app``, this module composes both packages.
+deployment's ``make_engine``); the OpenAI request models, rendering, detokenization and stop
+strings are the shared ones (``prefixmesh/wire/``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.config import PrefixmeshConfig, load_config
-from prefixmesh.loadtest.prompts import Vocabulary, fast_encode, word_lookup
 from prefixmesh.replica.engine_server import EngineHost, engine_routes
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
 from prefixmesh.wire import GenerateChunk
@@ -42,16 +42,23 @@ from prefixmesh.wire.openai_protocol import (
     CompletionRequest,
     parse_body,
 )
-from prefixmesh.wire.openai_render import PromptEncoder, collect, full_body, sse_events
+from prefixmesh.wire.openai_render import (
+    REPLICA_HEADER,
+    PromptEncoder,
+    collect,
+    full_body,
+    sse_events,
+)
+from prefixmesh.wire.word_vocabulary import Vocabulary, fast_encode, word_lookup
 
 logger = logging.getLogger(__name__)
-REPLICA_HEADER = "x-prefixmesh-replica"
 
 
 class PromptTokenizer(PromptEncoder):
-    """The model's tokenizer, with an exact shortcut for the load generator's text (single-token
-    words, ``loadtest/prompts.py``): a 2,000-token prompt tokenizes in ~0.4 ms instead of ~10 ms,
-    which matters when vllm-router asks every replica to tokenize every request on two cores."""
+    """The model's tokenizer, with an exact shortcut for the load generator's text
+    (single-token words, ``wire/word_vocabulary.py``): a 2,000-token prompt tokenizes in ~0.4 ms
+    instead of ~10 ms, which matters when vllm-router asks every replica to tokenize every
+    request on two cores."""
 
     def __init__(self, tokenizer: Any, vocabulary: Vocabulary | None) -> None:
         super().__init__(tokenizer)
@@ -331,7 +338,7 @@ def make_service(
     tokenizer (the demo model's unless ``replica.model_path`` names one)."""
     from transformers import AutoTokenizer
 
-    from prefixmesh.app import resolve_model_path
+    from prefixmesh.replica.demo_model import resolve_model_path
     from prefixmesh.replica.deployment import make_engine
 
     if engine_kind not in ("sim", "vllm"):

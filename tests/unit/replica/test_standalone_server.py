@@ -12,9 +12,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from prefixmesh.loadtest.keys import Segment
-from prefixmesh.loadtest.prompts import PromptRenderer, Vocabulary
+from prefixmesh.loadtest.prompts import PromptRenderer
 from prefixmesh.loadtest.report import prefix_cache_counters
-from prefixmesh.replica_server import ReplicaService, build_app, make_service
+from prefixmesh.replica.standalone_server import ReplicaService, build_app, make_service
+from prefixmesh.wire.word_vocabulary import Vocabulary
 from tests.unit.replica.conftest import sim_config
 
 MODEL = "demo-tiny"
