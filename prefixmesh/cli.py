@@ -20,31 +20,31 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "build the random-weight demo Llama and its tokenizer, offline",
     ),
     "serving-bench": (
-        "prefixmesh.loadtest.serving_bench",
+        "prefixmesh.loadtest.bench.serving",
         "the real cluster under each routing policy: TTFT and hit rate side by side",
     ),
     "registry-bench": (
-        "prefixmesh.cache_registry.bench",
+        "prefixmesh.loadtest.bench.registry",
         "registry lookup latency, publish throughput and memory per entry",
     ),
     "freshness-bench": (
-        "prefixmesh.loadtest.freshness",
+        "prefixmesh.loadtest.bench.freshness",
         "lag from a replica storing or evicting blocks to the Redis registry showing it",
     ),
     "kernels-bench": (
-        "prefixmesh.kernels.bench",
+        "prefixmesh.loadtest.bench.kernels",
         "GPU: KV block gather/scatter vs per-block copies vs the pinned-copy ceiling (GB/s)",
     ),
     "tier-bench": (
-        "prefixmesh.replica.kvcache.bench",
+        "prefixmesh.loadtest.bench.tier",
         "vLLM TTFT without and with the KV connector's CPU and disk tiers",
     ),
     "store-bench": (
-        "prefixmesh.replica.kvcache.store_bench",
+        "prefixmesh.loadtest.bench.store",
         "GPU: the KV connector's CPU-tier store and load path vs the pinned-copy ceiling (GB/s)",
     ),
     "policy-bench": (
-        "prefixmesh.router.policy.bench",
+        "prefixmesh.loadtest.bench.policy",
         "time of one routing decision per policy at 64 replicas",
     ),
     "simulate": (

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from prefixmesh.cli import SUBCOMMANDS
-from prefixmesh.replica.kvcache.store_bench import main
+from prefixmesh.loadtest.bench.store import main
 
 
 def test_registered() -> None:
-    assert SUBCOMMANDS["store-bench"][0] == "prefixmesh.replica.kvcache.store_bench"
+    assert SUBCOMMANDS["store-bench"][0] == "prefixmesh.loadtest.bench.store"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from prefixmesh.cli import SUBCOMMANDS
-from prefixmesh.kernels.bench import main
+from prefixmesh.loadtest.bench.kernels import main
 
 
 def test_registered() -> None:
-    assert SUBCOMMANDS["kernels-bench"][0] == "prefixmesh.kernels.bench"
+    assert SUBCOMMANDS["kernels-bench"][0] == "prefixmesh.loadtest.bench.kernels"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

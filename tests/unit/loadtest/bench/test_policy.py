@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from prefixmesh.loadtest.bench.policy import main
 from prefixmesh.router.policy import POLICY_NAMES
-from prefixmesh.router.policy.bench import main
 
 
 def test_bench_times_every_policy_and_writes_json(

@@ -19,7 +19,8 @@ from dataclasses import asdict
 import torch
 
 from prefixmesh.cache_registry.types import BlockHash, Tier
-from prefixmesh.kernels.bench import (
+from prefixmesh.kernels.ops import gather_blocks
+from prefixmesh.loadtest.bench.kernels import (
     CEILING,
     LOAD_CEILING,
     Row,
@@ -28,7 +29,6 @@ from prefixmesh.kernels.bench import (
     median_cuda_ms,
     print_rows,
 )
-from prefixmesh.kernels.ops import gather_blocks
 from prefixmesh.replica.kvcache.planner import DropJob, LoadJob, StoreJob
 from prefixmesh.replica.kvcache.store import TierStore
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixmesh.loadtest.freshness import main
+from prefixmesh.loadtest.bench.freshness import main
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
