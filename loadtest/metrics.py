@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from prefixmesh.loadtest.cluster_sim import SimResult
 from prefixmesh.loadtest.oracle import OracleResult
-from prefixmesh.loadtest.sim import SimResult
 
 SUMMARY_KEYS = (
     "hit_rate",

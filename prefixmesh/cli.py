@@ -48,11 +48,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "time of one routing decision per policy at 64 replicas",
     ),
     "simulate": (
-        "prefixmesh.loadtest.simulate",
+        "prefixmesh.loadtest.cluster_sim_cli",
         "compare routing policies on a simulated fleet (discrete events, no GPU)",
     ),
     "cache-sim": (
-        "prefixmesh.loadtest.cache_sim",
+        "prefixmesh.loadtest.cache_sim_cli",
         "replay a trace or workload through the hierarchical cache policies: hit rate, writes",
     ),
     "replica-server": (

@@ -1,2 +1,3 @@
 """The replicas' hierarchical prefix KV cache: tier policies (``policy/``, pure strategy objects)
-and a trace-driven multi-tier cache simulator (``sim.py``) that replays prompts through them."""
+and a trace-driven multi-tier cache simulator (``cache_sim.py``) that replays prompts through
+them."""

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from prefixmesh.loadtest.cluster_sim import ClusterSim, SimConfig, SimResult
 from prefixmesh.loadtest.keys import KeyBuilder, Segment
 from prefixmesh.loadtest.metrics import compute_metrics
 from prefixmesh.loadtest.oracle import oracle_hits
-from prefixmesh.loadtest.sim import ClusterSim, SimConfig, SimResult
 from prefixmesh.loadtest.workloads import (
     BlogWorkload,
     BurstWorkload,
@@ -124,7 +124,7 @@ def test_mixed_tensor_parallel_fleet() -> None:
 
 _DIGEST_SCRIPT = """
 from dataclasses import replace
-from prefixmesh.loadtest.sim import ClusterSim, SimConfig
+from prefixmesh.loadtest.cluster_sim import ClusterSim, SimConfig
 from prefixmesh.loadtest.workloads import BlogWorkload
 from prefixmesh.replica.model.profile import H100_LLAMA8B
 from tests.unit.loadtest.policies import LongestHit

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from prefixmesh.cli import SUBCOMMANDS
-from prefixmesh.loadtest import cache_sim
+from prefixmesh.loadtest import cache_sim_cli
 from prefixmesh.loadtest.traces import load_trace
 from prefixmesh.loadtest.workloads import FewshotWorkload
 
@@ -34,7 +34,7 @@ def write(path: Path, records: list[dict[str, object]]) -> Path:
 
 
 def test_subcommand_is_registered() -> None:
-    assert SUBCOMMANDS["cache-sim"][0] == "prefixmesh.loadtest.cache_sim"
+    assert SUBCOMMANDS["cache-sim"][0] == "prefixmesh.loadtest.cache_sim_cli"
 
 
 def test_mooncake_trace_rows_in_the_issue_schema(
@@ -45,7 +45,7 @@ def test_mooncake_trace_rows_in_the_issue_schema(
         "--trace", str(trace), "--capacity-blocks", "3,2", "--capacity-blocks", "16",
         "--policies", "lru,hotprefix", "--json", str(out),
     ]  # fmt: skip
-    assert cache_sim.main(argv) == 0
+    assert cache_sim_cli.main(argv) == 0
     assert "ceiling hit rate" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["block_tokens"] == 512 and report["distinct_blocks"] == 7
@@ -70,12 +70,12 @@ def test_mooncake_trace_rows_in_the_issue_schema(
 
 
 def test_qwen_turns_answers_and_categories(tmp_path: Path) -> None:
-    requests = cache_sim.to_cache_requests(load_trace(write(tmp_path / "q.jsonl", QWEN)), 16)
+    requests = cache_sim_cli.to_cache_requests(load_trace(write(tmp_path / "q.jsonl", QWEN)), 16)
     assert [r.category for r in requests] == ["text-1", "text-2", "search-1"]
     first, second, _ = requests
     assert len(first.blocks) == 3 and len(first.output_blocks) == 2  # answer blocks 4, 5
     assert second.blocks[:5] == first.blocks + first.output_blocks
-    assert cache_sim.ceiling_hit_rate(requests) == pytest.approx(5 / 11)
+    assert cache_sim_cli.ceiling_hit_rate(requests) == pytest.approx(5 / 11)
 
 
 def test_fewshot_workload_and_fractions_variants_plot(
@@ -89,7 +89,7 @@ def test_fewshot_workload_and_fractions_variants_plot(
         "--variant", "write-all", "kvcache.policy=hotprefix", "kvcache.hotprefix.admission=false",
         "--json", str(out), "--plot", str(png),
     ]  # fmt: skip
-    assert cache_sim.main(argv) == 0
+    assert cache_sim_cli.main(argv) == 0
     report = json.loads(out.read_text())
     distinct = report["distinct_blocks"]
     sizes = [r["capacity_blocks"] for r in report["results"]]
@@ -114,6 +114,6 @@ def test_fewshot_prefixes_are_shared_long_tailed_and_questions_unique() -> None:
 def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     trace = write(tmp_path / "mc.jsonl", MOONCAKE)
     with pytest.raises(SystemExit):
-        cache_sim.main(["--trace", str(trace), "--capacity-blocks", "0,4"])
+        cache_sim_cli.main(["--trace", str(trace), "--capacity-blocks", "0,4"])
     with pytest.raises(SystemExit):
-        cache_sim.main(["--trace", str(trace), "--capacity-blocks", "4", "--policies", "fifo"])
+        cache_sim_cli.main(["--trace", str(trace), "--capacity-blocks", "4", "--policies", "fifo"])

@@ -10,7 +10,7 @@ import pytest
 
 from prefixmesh.cli import SUBCOMMANDS
 from prefixmesh.config import RoutingConfig
-from prefixmesh.loadtest import simulate
+from prefixmesh.loadtest import cluster_sim_cli
 from prefixmesh.loadtest.metrics import SUMMARY_KEYS
 from prefixmesh.router.policy.base import RoutingPolicy
 from tests.unit.loadtest.policies import LongestHit, RoundRobin
@@ -23,7 +23,7 @@ def tiny_policies(
 
 
 def test_subcommand_is_registered() -> None:
-    assert SUBCOMMANDS["simulate"][0] == "prefixmesh.loadtest.simulate"
+    assert SUBCOMMANDS["simulate"][0] == "prefixmesh.loadtest.cluster_sim_cli"
 
 
 def test_workload_run_writes_table_json_and_plot(
@@ -35,7 +35,7 @@ def test_workload_run_writes_table_json_and_plot(
         "--replicas", "4", "--requests", "200", "--load", "0.5", "--policies", "rr,hit",
         "--profile", "cpu-small", "--json", str(out), "--plot", str(png),
     ]  # fmt: skip
-    assert simulate.main(argv, policy_factory=tiny_policies) == 0
+    assert cluster_sim_cli.main(argv, policy_factory=tiny_policies) == 0
     table = capsys.readouterr().out
     assert "oracle hit rate" in table and "TTFT floor" in table
     assert any(line.startswith("rr ") for line in table.splitlines())
@@ -59,7 +59,7 @@ def test_trace_run_rescales_to_the_requested_load(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     argv = ["--trace", str(trace), "--replicas", "2", "--load", "0.6", "--policies", "hit",
             "--json", str(out)]  # fmt: skip
-    assert simulate.main(argv, policy_factory=tiny_policies) == 0
+    assert cluster_sim_cli.main(argv, policy_factory=tiny_policies) == 0
     report = json.loads(out.read_text())
     assert report["offered_load"] == pytest.approx(0.6, rel=0.01)
     assert report["oracle_hit_rate"] > 0.4
@@ -69,14 +69,14 @@ def test_real_policies_run_when_available(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     argv = ["--workload", "blog", "--requests", "150", "--replicas", "4",
             "--policies", "round_robin,prefixmesh", "--json", str(out)]  # fmt: skip
-    assert simulate.main(argv) == 0
+    assert cluster_sim_cli.main(argv) == 0
     assert set(json.loads(out.read_text())["policies"]) == {"round_robin", "prefixmesh"}
 
 
 def test_bad_arguments_exit() -> None:
     with pytest.raises(SystemExit):
-        simulate.main(["--workload", "blog", "--policies", "nope"])
+        cluster_sim_cli.main(["--workload", "blog", "--policies", "nope"])
     with pytest.raises(SystemExit):
-        simulate.main(["--workload", "blog", "--trace", "x.jsonl"])
+        cluster_sim_cli.main(["--workload", "blog", "--trace", "x.jsonl"])
     with pytest.raises(SystemExit):
-        simulate.main(["--workload", "blog", "--load", "0"])
+        cluster_sim_cli.main(["--workload", "blog", "--load", "0"])

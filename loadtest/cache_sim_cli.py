@@ -1,11 +1,13 @@
-"""``prefixmesh cache-sim``: hierarchical cache policies replayed on a trace or a workload.
+"""``prefixmesh cache-sim``, the cache simulator's CLI: hierarchical cache policies replayed on a
+trace or a workload.
 
-Every policy sees the same requests on identical empty tiers (``replica/kvcache/sim.py``): the
-engine tier, then the lower tiers, with capacities in blocks. Rows report the leading-prefix
-hit rate (overall and by the tier that held the block), the blocks written to the lower tiers
-and the blocks moved up into the engine tier. ``--capacity-fraction`` sizes the engine tier as
-a fraction of the distinct blocks the requests use, with lower tiers ``--lower-tiers`` times
-as large (default one CPU tier the engine tier's size, HotPrefix's setting).
+Every policy sees the same requests on identical empty tiers (the cache simulator,
+``replica/kvcache/cache_sim.py``): the engine tier, then the lower tiers, with capacities in
+blocks. Rows report the leading-prefix hit rate (overall and by the tier that held the block),
+the blocks written to the lower tiers and the blocks moved up into the engine tier.
+``--capacity-fraction`` sizes the engine tier as a fraction of the distinct blocks the requests
+use, with lower tiers ``--lower-tiers`` times as large (default one CPU tier the engine tier's
+size, HotPrefix's setting).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from prefixmesh.loadtest.traces import (
     load_trace,
 )
 from prefixmesh.loadtest.workloads import WORKLOADS, WorkloadRequest, make_workload
+from prefixmesh.replica.kvcache.cache_sim import CacheRequest, CacheSimResult, TieredCacheSim
 from prefixmesh.replica.kvcache.categories import TurnCategorizer
 from prefixmesh.replica.kvcache.policy import POLICY_NAMES, ManualClock, make_policy
-from prefixmesh.replica.kvcache.sim import CacheRequest, CacheSimResult, TieredCacheSim
 
 DEFAULT_REQUESTS = 4000
 DEFAULT_WORKLOAD_BLOCK_TOKENS = 16

@@ -1,4 +1,5 @@
-"""``prefixmesh simulate``: routing policies compared on a simulated fleet (no GPU, no Ray).
+"""``prefixmesh simulate``, the cluster simulator's CLI: routing policies compared on a simulated
+fleet (``cluster_sim.py``; no GPU, no Ray).
 
 Every policy sees the same requests at the same times on identical fresh replicas; the table
 gives one row per policy plus the ceiling (oracle hit rate) and the TTFT floor. ``--load F``
@@ -20,6 +21,7 @@ from typing import Any
 import yaml
 
 from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.loadtest.cluster_sim import ClusterSim, SimConfig
 from prefixmesh.loadtest.keys import KeyBuilder
 from prefixmesh.loadtest.metrics import PolicyMetrics, compute_metrics
 from prefixmesh.loadtest.oracle import (
@@ -30,7 +32,6 @@ from prefixmesh.loadtest.oracle import (
     ttft_floor_s,
     work_model,
 )
-from prefixmesh.loadtest.sim import ClusterSim, SimConfig
 from prefixmesh.loadtest.traces import TRACE_FORMATS, load_trace, rescale
 from prefixmesh.loadtest.workloads import WORKLOADS, WorkloadRequest, make_workload
 from prefixmesh.replica.model.profile import (

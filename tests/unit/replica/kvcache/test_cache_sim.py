@@ -7,8 +7,8 @@ import pytest
 
 from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.config import HotPrefixConfig
+from prefixmesh.replica.kvcache.cache_sim import CacheRequest, TieredCacheSim
 from prefixmesh.replica.kvcache.policy import HotPrefixPolicy, LRUPolicy, ManualClock
-from prefixmesh.replica.kvcache.sim import CacheRequest, TieredCacheSim
 
 
 def req(*blocks: int, output: tuple[int, ...] = ()) -> CacheRequest:

@@ -1,5 +1,5 @@
-"""A multi-tier prefix cache, simulated: prompts as chained block hashes replayed through a
-``CachePolicy`` (pure: no I/O, no KV, time from the requests).
+"""The cache simulator: a multi-tier prefix cache, simulated. Prompts as chained block hashes
+are replayed through a ``CachePolicy`` (pure: no I/O, no KV, time from the requests).
 
 Tiers: 0 is the engine's own cache, then the lower tiers (CPU memory, disk), each with a
 capacity in blocks. A block lives in one tier at a time (exclusive, as HotPrefix's tree and the
