@@ -145,8 +145,10 @@ class VllmEngine:
             ),
             kv_transfer_config=transfer,
         )
+        from prefixmesh.metrics.vllm_export import cluster_stat_loggers
+
         self._engine = AsyncLLM.from_engine_args(
-            args, stat_loggers=[_stat_logger_factory(self._stats)]
+            args, stat_loggers=[_stat_logger_factory(self._stats), *cluster_stat_loggers()]
         )
         self.kv_blocks = int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
         if s.calibrate:
