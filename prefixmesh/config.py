@@ -438,6 +438,18 @@ class TelemetryConfig(_Section):
     its caller's sampling decision instead."""
 
 
+class MetricsConfig(_Section):
+    """Prometheus metrics: every serving process's, through Ray's metrics agent
+    (docs/metrics.md)."""
+
+    export_port: int = Field(default=0, ge=0, le=65535)
+    """Port of Ray's metrics agent on a Ray that ``prefixmesh serve`` starts: one endpoint per
+    node with the router's and replicas' metrics (``ray_prefixmesh_*``, labelled per Serve
+    replica), vLLM's (``ray_vllm_*``) and Ray's own; 0: a free port. It listens on 127.0.0.1
+    like the rest of a local start; a cluster joined with ``ray.address`` has its nodes'
+    ``ray start --metrics-export-port``."""
+
+
 class HotPrefixConfig(_Section):
     """HotPrefix (seed-000): hotness per block (frequency and an aging clock), eviction by
     frequency + clock / length, selective admission to the lower tier, periodic promotion."""
@@ -560,6 +572,8 @@ class PrefixmeshConfig(_Section):
     """Where Ray runs."""
     telemetry: TelemetryConfig = TelemetryConfig()
     """Tracing: which exporter, where, and how much is sampled."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Where the cluster's Prometheus metrics are served."""
     kvcache: KVCacheConfig = KVCacheConfig()
     """The replicas' hierarchical prefix cache policies (cache-sim, the KV connector)."""
     cache_dir: str = "~/.cache/prefixmesh"

@@ -10,15 +10,19 @@ these settings from the environment of the processes it starts.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from prefixmesh.cache_registry.redis_server import free_port
-from prefixmesh.config import ServingConfig
+from prefixmesh.config import MetricsConfig, ServingConfig
 
 _WORKER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+SERVICE_DISCOVERY_FILE = "prom_metrics_service_discovery.json"
+"""Ray's dashboard writes this file in Ray's temp folder (Prometheus' file-based service
+discovery of every node's metrics agent); a local start has no dashboard, so we write it."""
 
 
 def haproxy_environment(
@@ -81,21 +85,44 @@ def stop_haproxy(run_dir: Path) -> list[int]:
     return stopped
 
 
+def service_discovery(targets: list[str]) -> str:
+    """Prometheus file-based service discovery of Ray's metrics agents, in the shape (and
+    ``job`` label) Ray's dashboard writes."""
+    return json.dumps([{"labels": {"job": "ray"}, "targets": targets}])
+
+
+def write_service_discovery(folder: Path, targets: list[str]) -> Path:
+    """``service_discovery`` into ``folder`` at once (Prometheus may read it at any time)."""
+    path = folder / SERVICE_DISCOVERY_FILE
+    partial = path.with_suffix(".partial")
+    partial.write_text(service_discovery(targets))
+    os.replace(partial, path)
+    return path
+
+
 def init_local_ray(
     temp_dir: str | None = None,
     num_cpus: int | None = None,
     serving: ServingConfig | None = None,
+    metrics: MetricsConfig | None = None,
 ) -> Any:
     """``ray.init`` for a fresh single-node Ray bound to 127.0.0.1; returns its context. Call
-    ``configure_environment`` first to own (and remove) HAProxy's folder."""
+    ``configure_environment`` first to own (and remove) HAProxy's folder. Ray's metrics agent
+    serves on ``metrics.export_port`` (a free port when 0), listed in Ray's temp folder's
+    service-discovery file for Prometheus."""
     configure_environment(serving)
     import ray
 
-    return ray.init(
+    metrics_port = (metrics or MetricsConfig()).export_port or free_port()
+    context = ray.init(
         include_dashboard=False,
         num_cpus=num_cpus,
         _node_ip_address="127.0.0.1",
         _temp_dir=temp_dir,
+        _metrics_export_port=metrics_port,
         log_to_driver=False,
         runtime_env={"env_vars": dict(_WORKER_ENV)},
     )
+    session_dir = Path(context.address_info["session_dir"])
+    write_service_discovery(session_dir.parent, [f"127.0.0.1:{metrics_port}"])
+    return context

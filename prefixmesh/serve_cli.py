@@ -63,7 +63,7 @@ def main(argv: list[str], prog: str = "serve") -> int:
             )
         ray.init(address=config.ray.address, log_to_driver=False)
     else:
-        init_local_ray(config.ray.temp_dir, config.ray.num_cpus, config.serving)
+        init_local_ray(config.ray.temp_dir, config.ray.num_cpus, config.serving, config.metrics)
     try:
         serve.start(http_options={"host": config.ingress.host, "port": config.ingress.port})
         print(

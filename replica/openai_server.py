@@ -21,7 +21,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import Counter
 from ray import serve
 
 from prefixmesh.cache_registry.factory import make_hasher
@@ -49,7 +48,7 @@ from prefixmesh.wire.openai_render import (
     new_request_id,
     sse_events,
 )
-from prefixmesh.wire.request_metrics import RequestMetrics
+from prefixmesh.wire.request_metrics import DirectMetrics
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 
 logger = logging.getLogger(__name__)
@@ -75,28 +74,6 @@ class _LocalStream:
 
 def _noop() -> None:
     return None
-
-
-class DirectMetrics(RequestMetrics):
-    def __init__(self) -> None:
-        super().__init__()
-        self.key_mismatches = Counter(
-            "prefixmesh_route_key_mismatches",
-            "Requests whose block-hash digest differed from the router's (tokenizer or hashing "
-            "differ between them: routing is blind)",
-            registry=self.registry,
-        )
-        self.redispatched = Counter(
-            "prefixmesh_redispatched_requests",
-            "Requests served here that the router had sent to another replica (HAProxy "
-            "retried them after that replica failed)",
-            registry=self.registry,
-        )
-        self.unrouted = Counter(
-            "prefixmesh_unrouted_requests",
-            "Requests that reached this replica without a routing decision",
-            registry=self.registry,
-        )
 
 
 @serve.ingress(api)

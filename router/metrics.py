@@ -1,9 +1,11 @@
 """Prometheus metrics of the router: its decisions, registry lookups and the load it saw.
 
-Each object has its own registry (two ingresses in one process never collide). The request
-router runs on its own thread in the ingress process; it reaches its ``RouterMetrics`` through
-``local_state`` (prometheus_client's metrics are thread-safe), and the ingress renders both
-registries at scrape time.
+The specs (``ROUTER_METRICS``) say what each metric is; ``RouterMetrics`` records into two sinks
+at once: a prometheus_client registry of its own (two routers in one process never collide;
+rendered by the router's ``/metrics``) and the cluster's view (Ray's metrics agent, labelled by
+this Serve replica; nothing outside Serve). The request router runs on its own thread in the
+router's process; it reaches its ``RouterMetrics`` through ``local_state`` (both sinks are
+thread-safe).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prefixmesh.metrics.ray_sink import serve_replica_sink
+from prefixmesh.metrics.sink import MetricSink, PrometheusSink, Tee
+from prefixmesh.metrics.spec import CounterSpec, GaugeSpec, HistogramSpec
 
 if TYPE_CHECKING:
-    from prometheus_client.metrics import Gauge as GaugeChild
+    from prefixmesh.metrics.sink import GaugeInstrument
 
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Lookups have a deadline of a few ms: fine buckets below it, coarse ones for overruns.
@@ -25,62 +29,78 @@ ran out of its budget and was balanced on load; ``registry_*``: the registry gav
 time (or is down) and the policy routed on load alone."""
 LOAD_FIELDS = ("queued", "running", "pending_prefill_tokens")
 
+DECISIONS = CounterSpec(
+    "prefixmesh_routing_decisions", "Routing decisions by policy and reason", ("policy", "reason")
+)
+MATCHED_BLOCKS = HistogramSpec(
+    "prefixmesh_routing_matched_blocks",
+    "Leading prompt blocks the chosen replica held, by the slowest tier needed",
+    _BLOCK_BUCKETS,
+    ("tier",),
+)
+LOOKUP_SECONDS = HistogramSpec(
+    "prefixmesh_registry_lookup_seconds",
+    "Registry lookups at routing time, by backend and outcome",
+    _FAST_BUCKETS,
+    ("backend", "outcome"),
+)
+DECISION_SECONDS = HistogramSpec(
+    "prefixmesh_routing_decision_seconds",
+    "Time of one routing decision (registry lookup included)",
+    _FAST_BUCKETS,
+)
+HOLDS = CounterSpec("prefixmesh_routing_holds", "Decisions that told the replica to hold")
+FALLBACKS = CounterSpec(
+    "prefixmesh_routing_fallbacks",
+    "Decisions made without the registry's answer or the policy, by reason",
+    ("reason",),
+)
+REPLICA_LOAD = GaugeSpec(
+    "prefixmesh_replica_load",
+    "Each replica's load as the router saw it at its latest decision",
+    ("replica", "field"),
+)
+ONGOING = GaugeSpec(
+    "prefixmesh_router_ongoing_requests", "Requests this router has sent and not yet seen finish"
+)
+ROUTER_METRICS = (
+    DECISIONS,
+    MATCHED_BLOCKS,
+    LOOKUP_SECONDS,
+    DECISION_SECONDS,
+    HOLDS,
+    FALLBACKS,
+    REPLICA_LOAD,
+    ONGOING,
+)
+
 
 class RouterMetrics:
     """What the request router decided and what it saw."""
 
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.decisions = Counter(
-            "prefixmesh_routing_decisions",
-            "Routing decisions by policy and reason",
-            ["policy", "reason"],
-            registry=r,
-        )
-        self.matched_blocks = Histogram(
-            "prefixmesh_routing_matched_blocks",
-            "Leading prompt blocks the chosen replica held, by the slowest tier needed",
-            ["tier"],
-            buckets=_BLOCK_BUCKETS,
-            registry=r,
-        )
-        self.lookup_seconds = Histogram(
-            "prefixmesh_registry_lookup_seconds",
-            "Registry lookups at routing time, by backend and outcome",
-            ["backend", "outcome"],
-            buckets=_FAST_BUCKETS,
-            registry=r,
-        )
-        self.decision_seconds = Histogram(
-            "prefixmesh_routing_decision_seconds",
-            "Time of one routing decision (registry lookup included)",
-            buckets=_FAST_BUCKETS,
-            registry=r,
-        )
-        self.holds = Counter(
-            "prefixmesh_routing_holds", "Decisions that told the replica to hold", registry=r
-        )
-        self.fallbacks = Counter(
-            "prefixmesh_routing_fallbacks",
-            "Decisions made without the registry's answer or the policy, by reason",
-            ["reason"],
-            registry=r,
-        )
+    def __init__(self, cluster: MetricSink | None = None) -> None:
+        """``cluster``: where the cluster's view gets the values (default: Ray's agent inside a
+        Serve replica, nowhere elsewhere)."""
+        local = PrometheusSink()
+        self._local = local
+        self.registry = local.registry
+        sink = Tee(local, cluster if cluster is not None else serve_replica_sink())
+        self.decisions = DECISIONS.build(sink)
+        self.matched_blocks = MATCHED_BLOCKS.build(sink)
+        self.lookup_seconds = LOOKUP_SECONDS.build(sink)
+        self.decision_seconds = DECISION_SECONDS.build(sink)
+        self.holds = HOLDS.build(sink)
+        self.fallbacks = FALLBACKS.build(sink)
         for reason in FALLBACK_REASONS:  # a zero series says "none", absence says nothing
             self.fallbacks.labels(reason=reason)
-        self.replica_load = Gauge(
-            "prefixmesh_replica_load",
-            "Each replica's load as the router saw it at its latest decision",
-            ["replica", "field"],
-            registry=r,
-        )
-        self.ongoing = Gauge(
-            "prefixmesh_router_ongoing_requests",
-            "Requests this router has sent and not yet seen finish",
-            registry=r,
-        )
-        self._load_children: dict[str, tuple[GaugeChild, GaugeChild, GaugeChild]] = {}
+        self.replica_load = REPLICA_LOAD.build(sink)
+        self.ongoing = ONGOING.build(sink)
+        self._load_children: dict[str, tuple[GaugeInstrument, GaugeInstrument, GaugeInstrument]]
+        self._load_children = {}
+
+    def render(self) -> str:
+        """This router's own Prometheus exposition."""
+        return self._local.render()
 
     def decided(
         self, policy: str, reason: str, matched_blocks: int, tier: str, hold: bool, seconds: float
@@ -107,7 +127,8 @@ class RouterMetrics:
         children[2].set(pending_tokens)
 
     def forget_replica(self, replica: str) -> None:
-        """A replica that left stops being reported (its last load would linger forever)."""
+        """A replica that left stops being reported (its last load would linger forever) in
+        this router's own text; Ray's agent keeps its last value (it cannot drop a series)."""
         if self._load_children.pop(replica, None) is None:
             return
         for field in LOAD_FIELDS:

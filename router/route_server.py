@@ -134,12 +134,10 @@ class RouterServer:
 
     async def router_metrics(self) -> str:
         """The router's Prometheus exposition (decisions, lookups, holds, load it saw)."""
-        from prometheus_client import generate_latest
-
         router = self._local.metrics
         with self._local.lock:
             router.ongoing.set(len(self._local.ledger))
-        return generate_latest(router.registry).decode()
+        return router.render()
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
