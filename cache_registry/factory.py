@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+from typing import Any
+
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.memory import InMemoryRegistry, RegistryState
 from prefixmesh.cache_registry.protocol import CacheRegistry
@@ -22,12 +25,18 @@ def make_memory_state(config: PrefixmeshConfig) -> RegistryState:
     )
 
 
-def make_registry(config: PrefixmeshConfig, state: RegistryState | None = None) -> CacheRegistry:
-    """A registry client; in-process clients of one process share ``state``."""
+def make_registry(
+    config: PrefixmeshConfig,
+    state: RegistryState | None = None,
+    lock: AbstractContextManager[Any] | None = None,
+) -> CacheRegistry:
+    """A registry client. In-process clients of one process share ``state``, and take ``lock``
+    around every use of it (the lock its other users take; none: the caller serialises)."""
     reg = config.registry
     fingerprint = make_hasher(config).fingerprint
     if reg.backend == "memory":
-        return InMemoryRegistry(fingerprint, state or make_memory_state(config))
+        shared = state if state is not None else make_memory_state(config)
+        return InMemoryRegistry(fingerprint, shared, lock)
     return RedisRegistry(
         fingerprint,
         reg.redis_url,

@@ -13,6 +13,8 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, TypeVar
 
 from prefixmesh.cache_registry.hashing import CacheFingerprint, FingerprintMismatchError
 from prefixmesh.cache_registry.holders import ReplicaIndex, Row, RunSegment, count_segments
@@ -33,6 +35,7 @@ from prefixmesh.cache_registry.types import (
 )
 
 Clock = Callable[[], float]
+T = TypeVar("T")
 
 
 class BlockEntry:
@@ -371,14 +374,37 @@ def _segment(signature: tuple[int, int, int, int] | None, alive: int, length: in
 
 
 class InMemoryRegistry:
-    """``CacheRegistry`` over a ``RegistryState`` shared by the clients of one process."""
+    """``CacheRegistry`` over a ``RegistryState`` shared by the clients of one process.
 
-    def __init__(self, fingerprint: CacheFingerprint, state: RegistryState | None = None) -> None:
+    Every call does its work when it is made, under ``lock`` (the one the process's other users
+    of the state take: the router shares it with the ingress that applies replicas' events),
+    and returns a finished future. A caller that checks ``done()`` before awaiting never yields
+    to the loop for it, so one router's decisions run through without interleaving and each
+    sees the speculative entries of the decisions before it. ``wait_released`` alone waits.
+    """
+
+    def __init__(
+        self,
+        fingerprint: CacheFingerprint,
+        state: RegistryState | None = None,
+        lock: AbstractContextManager[Any] | None = None,
+    ) -> None:
         self.fingerprint = fingerprint
         self.stats = RegistryStats()
         self.state = state if state is not None else RegistryState()
+        self._lock: AbstractContextManager[Any] = lock if lock is not None else nullcontext()
         self._released: dict[BlockHash, asyncio.Event] = {}
         self.state.add_release_listener(self._on_release)
+
+    def _now(self, call: Callable[[], T]) -> asyncio.Future[T]:
+        """``call``'s outcome as a finished future (on the running loop)."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        try:
+            with self._lock:
+                future.set_result(call())
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
     def _on_release(self, prefix: BlockHash) -> None:
         event = self._released.pop(prefix, None)
@@ -386,62 +412,72 @@ class InMemoryRegistry:
             event.set()
 
     async def connect(self) -> None:
-        self.state.check_fingerprint(self.fingerprint)
+        with self._lock:
+            self.state.check_fingerprint(self.fingerprint)
 
     async def close(self) -> None:
-        self.state.remove_release_listener(self._on_release)
+        with self._lock:
+            self.state.remove_release_listener(self._on_release)
 
-    async def lookup(
+    def lookup(
         self, key: PrefixKey, replicas: Collection[ReplicaId], *, deadline_s: float
-    ) -> dict[ReplicaId, PrefixHit]:
+    ) -> asyncio.Future[dict[ReplicaId, PrefixHit]]:
         self.stats.lookups += 1
-        return self.state.lookup(key, replicas)
+        return self._now(lambda: self.state.lookup(key, replicas))
 
-    async def publish(self, events: Sequence[CacheEvent]) -> list[PublishResult]:
-        return self.state.publish(events)
+    def publish(self, events: Sequence[CacheEvent]) -> asyncio.Future[list[PublishResult]]:
+        return self._now(lambda: self.state.publish(events))
 
-    async def add_speculative(self, key: PrefixKey, replica: ReplicaId, ttl_s: float) -> None:
-        self.state.add_speculative(key, replica, ttl_s)
+    def add_speculative(
+        self, key: PrefixKey, replica: ReplicaId, ttl_s: float
+    ) -> asyncio.Future[None]:
+        return self._now(lambda: self.state.add_speculative(key, replica, ttl_s))
 
-    async def claim_inflight(
+    def claim_inflight(
         self, prefix: BlockHash, replica: ReplicaId, ttl_s: float
-    ) -> ReplicaId | None:
-        return self.state.claim_inflight(prefix, replica, ttl_s)
+    ) -> asyncio.Future[ReplicaId | None]:
+        return self._now(lambda: self.state.claim_inflight(prefix, replica, ttl_s))
 
-    async def inflight(self, prefix: BlockHash) -> ReplicaId | None:
-        claim = self.state.live_claim(prefix)
-        return None if claim is None else claim[0]
+    def inflight(self, prefix: BlockHash) -> asyncio.Future[ReplicaId | None]:
+        def holder() -> ReplicaId | None:
+            claim = self.state.live_claim(prefix)
+            return None if claim is None else claim[0]
 
-    async def release_inflight(self, prefix: BlockHash, replica: ReplicaId) -> bool:
-        return self.state.release_inflight(prefix, replica)
+        return self._now(holder)
+
+    def release_inflight(self, prefix: BlockHash, replica: ReplicaId) -> asyncio.Future[bool]:
+        return self._now(lambda: self.state.release_inflight(prefix, replica))
 
     async def wait_released(self, prefix: BlockHash, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        while (claim := self.state.live_claim(prefix)) is not None:
+        while True:
+            with self._lock:
+                claim = self.state.live_claim(prefix)
+                if claim is None:
+                    return True
+                event = self._released.setdefault(prefix, asyncio.Event())
+                # Wake at the claim's own expiry too, so an abandoned claim frees its waiters.
+                until_expiry = max(0.0, claim[1] - self.state.clock())
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            event = self._released.setdefault(prefix, asyncio.Event())
-            # Wake at the claim's own expiry too, so an abandoned claim frees its waiters.
-            until_expiry = max(0.0, claim[1] - self.state.clock())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), min(remaining, until_expiry))
-        return True
 
-    async def touch(self, group: BlockHash, weight: float = 1.0) -> None:
-        self.state.touch(group, weight)
+    def touch(self, group: BlockHash, weight: float = 1.0) -> asyncio.Future[None]:
+        return self._now(lambda: self.state.touch(group, weight))
 
-    async def rate(self, group: BlockHash) -> float:
-        return self.state.rate(group)
+    def rate(self, group: BlockHash) -> asyncio.Future[float]:
+        return self._now(lambda: self.state.rate(group))
 
-    async def drop_replica(self, replica: ReplicaId) -> None:
-        self.state.drop_replica(replica)
+    def drop_replica(self, replica: ReplicaId) -> asyncio.Future[None]:
+        return self._now(lambda: self.state.drop_replica(replica))
 
-    async def heartbeat(self, replica: ReplicaId, epoch: int, seq: int) -> bool | None:
-        return self.state.heartbeat(replica, epoch, seq)
+    def heartbeat(self, replica: ReplicaId, epoch: int, seq: int) -> asyncio.Future[bool | None]:
+        return self._now(lambda: self.state.heartbeat(replica, epoch, seq))
 
-    async def reap(self, dead_after_s: float) -> list[ReplicaId]:
-        return self.state.reap(dead_after_s)
+    def reap(self, dead_after_s: float) -> asyncio.Future[list[ReplicaId]]:
+        return self._now(lambda: self.state.reap(dead_after_s))
 
-    async def known_replicas(self) -> set[ReplicaId]:
-        return set(self.state.sequences)
+    def known_replicas(self) -> asyncio.Future[set[ReplicaId]]:
+        return self._now(lambda: set(self.state.sequences))

@@ -4,12 +4,19 @@ The registry is advisory: it tells the router, approximately, which replica hold
 blocks. No call may raise into a request because the registry is slow, down or wrong; every
 backend returns "nothing known" (an empty result, ``None``, ``0.0``) instead and counts it in
 ``stats``. The one loud failure is ``connect`` finding a different cache fingerprint.
+
+Calls return awaitables: a remote backend's coroutines do their work when awaited; the
+in-process backend does it when called and returns a finished future, so a caller that checks
+``done()`` first never yields to its loop for it (``router/decide.py`` does: one code path for
+both, and an in-process decision runs through without interleaving with another).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import Protocol, runtime_checkable
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Collection, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from prefixmesh.cache_registry.hashing import CacheFingerprint
 from prefixmesh.cache_registry.types import (
@@ -37,9 +44,9 @@ class CacheRegistry(Protocol):
 
     async def close(self) -> None: ...
 
-    async def lookup(
+    def lookup(
         self, key: PrefixKey, replicas: Collection[ReplicaId], *, deadline_s: float
-    ) -> dict[ReplicaId, PrefixHit]:
+    ) -> Awaitable[dict[ReplicaId, PrefixHit]]:
         """Leading blocks of ``key`` each replica holds (confirmed or speculative).
 
         Only replicas in ``replicas`` are considered (all, when empty); replicas holding nothing
@@ -48,11 +55,11 @@ class CacheRegistry(Protocol):
         """
         ...
 
-    async def publish(self, events: Sequence[CacheEvent]) -> list[PublishResult]:
+    def publish(self, events: Sequence[CacheEvent]) -> Awaitable[list[PublishResult]]:
         """Apply replicas' cache events in order; one result per replica in the batch."""
         ...
 
-    async def add_speculative(self, key: PrefixKey, replica: ReplicaId, ttl_s: float) -> None:
+    def add_speculative(self, key: PrefixKey, replica: ReplicaId, ttl_s: float) -> Awaitable[None]:
         """Record at routing time that ``replica`` is about to hold ``key``, for ``ttl_s``.
 
         Speculative entries live apart from confirmed ones: they never shorten a confirmed
@@ -60,9 +67,9 @@ class CacheRegistry(Protocol):
         """
         ...
 
-    async def claim_inflight(
+    def claim_inflight(
         self, prefix: BlockHash, replica: ReplicaId, ttl_s: float
-    ) -> ReplicaId | None:
+    ) -> Awaitable[ReplicaId | None]:
         """Claim that ``replica`` is computing ``prefix`` now, unless someone else holds it.
 
         Returns the holder after the attempt (``replica`` if the claim was taken), or ``None``
@@ -70,9 +77,9 @@ class CacheRegistry(Protocol):
         """
         ...
 
-    async def inflight(self, prefix: BlockHash) -> ReplicaId | None: ...
+    def inflight(self, prefix: BlockHash) -> Awaitable[ReplicaId | None]: ...
 
-    async def release_inflight(self, prefix: BlockHash, replica: ReplicaId) -> bool:
+    def release_inflight(self, prefix: BlockHash, replica: ReplicaId) -> Awaitable[bool]:
         """Release the claim if ``replica`` holds it; wakes every waiter. True if released."""
         ...
 
@@ -81,19 +88,19 @@ class CacheRegistry(Protocol):
         (or the registry could not answer)."""
         ...
 
-    async def touch(self, group: BlockHash, weight: float = 1.0) -> None:
+    def touch(self, group: BlockHash, weight: float = 1.0) -> Awaitable[None]:
         """Add ``weight`` to the decayed traffic counter of a prefix group."""
         ...
 
-    async def rate(self, group: BlockHash) -> float:
+    def rate(self, group: BlockHash) -> Awaitable[float]:
         """The decayed traffic of a prefix group, in weight per second."""
         ...
 
-    async def drop_replica(self, replica: ReplicaId) -> None:
+    def drop_replica(self, replica: ReplicaId) -> Awaitable[None]:
         """Remove every trace of a replica: entries, speculative entries, claims, sequence."""
         ...
 
-    async def heartbeat(self, replica: ReplicaId, epoch: int, seq: int) -> bool | None:
+    def heartbeat(self, replica: ReplicaId, epoch: int, seq: int) -> Awaitable[bool | None]:
         """A live replica's proof of life, and its check that the registry is still in step.
 
         True iff the last event applied for ``replica`` is (``epoch``, ``seq``): the replica
@@ -103,7 +110,7 @@ class CacheRegistry(Protocol):
         """
         ...
 
-    async def reap(self, dead_after_s: float) -> list[ReplicaId]:
+    def reap(self, dead_after_s: float) -> Awaitable[list[ReplicaId]]:
         """Drop (as ``drop_replica``) every replica not seen for more than ``dead_after_s``.
 
         Atomic and idempotent: any number of processes may reap the same registry. Returns the
@@ -111,9 +118,19 @@ class CacheRegistry(Protocol):
         """
         ...
 
-    async def known_replicas(self) -> set[ReplicaId]:
+    def known_replicas(self) -> Awaitable[set[ReplicaId]]:
         """Replicas that have published events since they were last dropped."""
         ...
+
+
+async def settled(call: asyncio.Future[Any], timeout_s: float) -> bool:
+    """Whether ``call`` is done within ``timeout_s``: at once, without yielding to the loop,
+    when it is already (the in-process registry's calls are). A late call runs on (shielded);
+    a failed one is done (its ``result()`` raises)."""
+    if not call.done():
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(call), max(timeout_s, 0.0))
+    return call.done()
 
 
 def group_by_replica(events: Sequence[CacheEvent]) -> dict[ReplicaId, list[CacheEvent]]:
