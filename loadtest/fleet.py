@@ -1,8 +1,9 @@
 """Simulated replicas as the router sees them: capacity and load snapshots from engine models.
 
-This is where replica-side values (``EngineProfile``, ``EngineLoad``) become the router's
-(``ReplicaCapacity``, ``ReplicaSnapshot``): replica/ does not import router/ (DESIGN.md section 4),
-loadtest/ may import both.
+A simulated replica reports what a real one does, a ``ReplicaReport`` (its capacity from its
+``EngineProfile``, its load from its ``EngineLoad``), and the router turns it into the policy's
+``ReplicaSnapshot`` in the same place it turns a real replica's report (``replica_load``).
+replica/ does not import router/ (DESIGN.md section 4); loadtest/ may import both.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.replica.model.engine import EngineLoad, EngineModel
 from prefixmesh.replica.model.profile import EngineProfile
-from prefixmesh.router.policy.base import ReplicaCapacity, ReplicaSnapshot
+from prefixmesh.router.policy.base import ReplicaSnapshot
+from prefixmesh.router.replica_load import snapshot_of
+from prefixmesh.wire import ReplicaCapacity, ReplicaReport
 
 
 def capacity(profile: EngineProfile, tp_degree: int = 1) -> ReplicaCapacity:
@@ -25,6 +28,17 @@ def capacity(profile: EngineProfile, tp_degree: int = 1) -> ReplicaCapacity:
         kv_blocks=profile.kv_blocks_at(tp_degree),
         tp_degree=tp_degree,
         cpu_load_s_per_block=profile.cpu_load_s_per_block / speedup if profile.cpu_blocks else 0.0,
+    )
+
+
+def report(load: EngineLoad, capacity: ReplicaCapacity) -> ReplicaReport:
+    """The report of a replica with this load: the router's view of it, exact and current."""
+    return ReplicaReport(
+        queued_requests=load.queued_requests,
+        running_requests=load.running_requests,
+        pending_prefill_tokens=load.pending_prefill_tokens,
+        kv_usage=load.active_kv_blocks / capacity.kv_blocks if capacity.kv_blocks else 0.0,
+        capacity=capacity,
     )
 
 
@@ -47,12 +61,7 @@ class SimReplica:
         load = self.engine.load()
         if load is not self._load or self._snapshot is None:
             self._load = load
-            self._snapshot = ReplicaSnapshot(
-                replica_id=self.replica_id,
-                capacity=self.capacity,
-                queued_requests=load.queued_requests,
-                running_requests=load.running_requests,
-                pending_prefill_tokens=load.pending_prefill_tokens,
-                active_kv_blocks=load.active_kv_blocks,
+            self._snapshot = snapshot_of(
+                self.replica_id, report(load, self.capacity), self.capacity
             )
         return self._snapshot

@@ -1,31 +1,36 @@
 """The replica: a Ray Serve deployment around one ``Engine`` (one data-parallel rank).
 
-It streams tokens, holds delay-hit requests while their prefix is being computed here,
-publishes its cache events (to Redis, or to the ingress that keeps the in-process registry), and
-reports its load for routing (``record_routing_stats``).
+It streams tokens, holds delay-hit requests while their prefix is being computed here
+(``holds.py``), publishes its cache events (to Redis, or to the ingress that keeps the
+in-process registry), and reports its load for routing (a ``ReplicaReport``, which Serve polls
+through ``record_routing_stats``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from prefixmesh import tracing
 from prefixmesh.cache_registry.factory import make_hasher, make_registry
-from prefixmesh.cache_registry.types import BlockHash, CacheEvent, PublishResult, ReplicaId
+from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.replica.coalesce import coalesced
 from prefixmesh.replica.engines.base import Engine, EngineRequest, HeldMirror
-from prefixmesh.replica.holds import InflightPrefills, combined_hold, own_hold
+from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
 from prefixmesh.replica.publisher import EventPublisher, EventTarget
 from prefixmesh.replica.spans import replica_trace
-from prefixmesh.wire import GenerateChunk, GenerateRequest, HoldInstruction
+from prefixmesh.wire import (
+    GenerateChunk,
+    GenerateRequest,
+    ReplicaCapacity,
+    ReplicaCounters,
+    ReplicaReport,
+)
 
 logger = logging.getLogger(__name__)
 FINISHED_IDS_KEPT = 1024
@@ -121,10 +126,7 @@ def _no_gpu() -> bool:
 class ReplicaServer:
     """The body of the Serve deployment (``prefixmesh.app`` wraps it with @serve.deployment)."""
 
-    # Defaults for servers built without __init__ (unit tests): no grace, no registry to
-    # release claims in.
-    _arrival_grace_s = 0.0
-    _registry: Any = None
+    _registry: Any = None  # a server built without __init__ (unit tests) has none
 
     async def __init__(self, config_json: str, model_path: str, ingress_name: str) -> None:
         from ray import serve
@@ -142,15 +144,10 @@ class ReplicaServer:
             target = self._registry
         else:
             target = IngressEventTarget(self.config.app_name, ingress_name)
-        self.inflight = InflightPrefills()
+        self.holds = ReplicaHolds(HoldSettings.from_config(self.config))
         self._resident = HeldMirror()
         """What the engine holds, from its changes: a hold waits only for blocks not here."""
-        policy = self.config.routing.prefixmesh
-        self._holds_enabled = policy.holds_enabled
         self._coalesce = self.config.replica.coalesce_stream
-        self._hold_min_blocks = max(1, policy.hold_min_tokens // self.config.cache.block_size)
-        self._arrival_grace_s = policy.hold_arrival_grace_s
-        self._releases: set[asyncio.Task[Any]] = set()
         self.engine = make_engine(self.config, model_path, rank, self._on_changes)
         registry = self.config.registry
         self.publisher = EventPublisher(
@@ -184,18 +181,20 @@ class ReplicaServer:
         in_prefill = True
         output_tokens = 0
         finish_reason: str | None = None
+        inflight = self.holds.inflight
         try:
-            hold = self._hold_for(request)
+            hold = self.holds.hold_for(
+                request.hold,
+                request.block_hashes,
+                lambda: self._resident.leading(request.block_hashes),
+                self._prefill_rate,
+            )
             if hold is not None:
-                started = time.monotonic()
-                # Only a router's hold may arrive before the request it waits for.
-                grace_s = self._arrival_grace_s if request.hold is not None else 0.0
-                await self.inflight.wait(
-                    request.block_hashes, hold.num_blocks, hold.max_wait_s, grace_s
+                held_s = await self.holds.wait(
+                    hold, request.block_hashes, from_router=request.hold is not None
                 )
-                held_s = time.monotonic() - started
             trace.queued(hold, held_s)
-            self.inflight.started(rid, request.block_hashes, len(request.prompt_token_ids))
+            inflight.started(rid, request.block_hashes, len(request.prompt_token_ids))
             engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling)
             stream = self.engine.generate(engine_request)
             if self._coalesce:
@@ -203,8 +202,7 @@ class ReplicaServer:
             async for chunk in stream:
                 if in_prefill:
                     in_prefill = False
-                    self.inflight.finished(rid)
-                    self._release_claim(request)
+                    inflight.finished(rid)
                     self._prefill_tokens.pop(rid, None)
                     self._running.add(rid)
                     trace.first_token(chunk.num_cached_tokens)
@@ -222,69 +220,54 @@ class ReplicaServer:
             trace.failed(exc)
             raise
         finally:
-            self.inflight.finished(rid)
+            inflight.finished(rid)
             self._prefill_tokens.pop(rid, None)
             self._running.discard(rid)
             self._finished.append(rid)
-            if in_prefill:
-                self._release_claim(request)  # ended before computing the prefix
             trace.end(output_tokens, finish_reason)
 
-    def _release_claim(self, request: GenerateRequest) -> None:
-        """Free the prefix the router claimed for this request: its blocks are stored now
-        (the speculative entry covers them until their event lands), so siblings stop being
-        held for it. In the background: the first chunk never waits on Redis. In memory mode
-        the ingress's ledger releases it."""
-        if request.claim is None or self._registry is None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # a stream finalised off the loop: the claim's TTL ends it
-            return
-        release = self._registry.release_inflight(BlockHash(request.claim), self.replica_id)
-        task = loop.create_task(release)
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+    def capacity(self) -> ReplicaCapacity | None:
+        """The engine's capacity (None if it reports none that can be read)."""
+        return ReplicaCapacity.from_wire(self.engine.capacity())
 
-    def _hold_for(self, request: GenerateRequest) -> HoldInstruction | None:
-        """The hold this request waits under before it enters the engine, if any."""
-        if request.hold is None and not (self._holds_enabled and len(self.inflight)):
-            return None  # the common case: nothing to wait for, no walk over the cache
-        resident = self._resident.leading(request.block_hashes)
-        own = None
-        if self._holds_enabled:
-            rate = float(self.engine.capacity().get("prefill_tokens_per_s", 0.0))
-            own = own_hold(
-                self.inflight, request.block_hashes, resident, self._hold_min_blocks, rate
-            )
-        return combined_hold(request.hold, own, resident)
+    def _prefill_rate(self) -> float:
+        capacity = self.capacity()
+        return capacity.prefill_tokens_per_s if capacity is not None else 0.0
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        """Load for routing, plus counters for tests and benchmarks (Serve polls this)."""
+    def report(self) -> ReplicaReport:
+        """Load for routing, plus counters for tests and benchmarks."""
         load = self.engine.load()
-        return {
-            "queued_requests": len(self._prefill_tokens),
-            "running_requests": len(self._running),
-            "pending_prefill_tokens": sum(self._prefill_tokens.values()),
-            "kv_usage": load.kv_usage,
-            "capacity": self.engine.capacity(),
-            "epoch": self.publisher.epoch,
-            "engine_running_requests": load.running_requests,
-            "engine_waiting_requests": load.waiting_requests,
-            "prefix_cache_queries_tokens": load.prefix_cache_queries_tokens,
-            "prefix_cache_hit_tokens": load.prefix_cache_hit_tokens,
-            "external_prefix_cache_hit_tokens": load.external_prefix_cache_hit_tokens,
-            "holds": self.inflight.holds,
-            "hold_timeouts": self.inflight.hold_timeouts,
-            "published_events": self.publisher.published_events,
-            "resyncs": self.publisher.resyncs,
-            "heartbeat_mismatches": self.publisher.heartbeat_mismatches,
-            "reaped_replicas": self.publisher.reaped,
-            "event_gaps": load.event_gaps,
+        inflight = self.holds.inflight
+        publisher = self.publisher
+        return ReplicaReport(
+            queued_requests=len(self._prefill_tokens),
+            running_requests=len(self._running),
+            pending_prefill_tokens=sum(self._prefill_tokens.values()),
+            kv_usage=load.kv_usage,
+            capacity=self.capacity(),
             # Routers that send requests past Serve's handle (the direct path) learn from this
             # which of theirs arrived here: those are in the counts above from now on.
-            "seen_requests": [*self._prefill_tokens, *self._running, *self._finished],
-        }
+            seen_requests=(*self._prefill_tokens, *self._running, *self._finished),
+            counters=ReplicaCounters(
+                epoch=publisher.epoch,
+                engine_running_requests=load.running_requests,
+                engine_waiting_requests=load.waiting_requests,
+                prefix_cache_queries_tokens=load.prefix_cache_queries_tokens,
+                prefix_cache_hit_tokens=load.prefix_cache_hit_tokens,
+                external_prefix_cache_hit_tokens=load.external_prefix_cache_hit_tokens,
+                holds=inflight.holds,
+                hold_timeouts=inflight.hold_timeouts,
+                published_events=publisher.published_events,
+                resyncs=publisher.resyncs,
+                heartbeat_mismatches=publisher.heartbeat_mismatches,
+                reaped_replicas=publisher.reaped,
+                event_gaps=load.event_gaps,
+            ),
+        )
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """The report in its wire form (Serve polls this and hands it to the routers)."""
+        return self.report().to_wire()
 
     def exported_spans(self, clear: bool = False) -> list[dict[str, Any]]:
         """Spans finished in this replica's process (``telemetry.tracing=memory``; else []),

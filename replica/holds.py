@@ -8,16 +8,22 @@ hits the cache instead of computing the same blocks again in the same batch.
 
 A router's hold can arrive before the request it waits for (two ingresses, two handle calls:
 nothing orders them), so a held request that finds no covering prefill waits a short arrival
-grace for one to start.
+grace for one to start. The replica also holds on its own (``own_hold``): vLLM does not
+deduplicate a prefix two requests in one batch compute. ``ReplicaHolds`` is what the replica
+deployment uses: the hold each request waits under, and the wait. The router's side of holds is
+``router/holds.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prefixmesh.cache_registry.types import BlockHash
+from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.wire import HoldInstruction
 
 
@@ -157,3 +163,61 @@ def combined_hold(
     if hold is None or resident_blocks >= hold.num_blocks:
         return None
     return hold
+
+
+@dataclass(frozen=True, slots=True)
+class HoldSettings:
+    own_holds: bool
+    """Whether the replica holds on its own (a router's hold is waited out either way)."""
+    min_blocks: int = 1
+    """Blocks beyond what the engine holds that an own hold must be for."""
+    arrival_grace_s: float = 0.0
+    """How long a router's hold waits for the prefill it names to start here."""
+
+    @classmethod
+    def from_config(cls, config: PrefixmeshConfig) -> HoldSettings:
+        policy = config.routing.prefixmesh
+        return cls(
+            own_holds=policy.holds_enabled,
+            min_blocks=max(1, policy.hold_min_tokens // config.cache.block_size),
+            arrival_grace_s=policy.hold_arrival_grace_s,
+        )
+
+
+class ReplicaHolds:
+    """The replica's delay-hit holds: its prefills in progress, and the hold each new request
+    waits under before it enters the engine."""
+
+    def __init__(self, settings: HoldSettings) -> None:
+        self.settings = settings
+        self.inflight = InflightPrefills()
+
+    def hold_for(
+        self,
+        router_hold: HoldInstruction | None,
+        block_hashes: tuple[BlockHash, ...],
+        resident_blocks: Callable[[], int],
+        prefill_tokens_per_s: Callable[[], float],
+    ) -> HoldInstruction | None:
+        """The hold a request waits under, if any. ``resident_blocks``: leading blocks of its
+        chain the engine holds; ``prefill_tokens_per_s``: the engine's rate (both asked only
+        when there is something to wait for)."""
+        own_holds = self.settings.own_holds
+        if router_hold is None and not (own_holds and len(self.inflight)):
+            return None  # the common case: nothing to wait for, no walk over the cache
+        resident = resident_blocks()
+        own = None
+        if own_holds:
+            rate = prefill_tokens_per_s()
+            own = own_hold(self.inflight, block_hashes, resident, self.settings.min_blocks, rate)
+        return combined_hold(router_hold, own, resident)
+
+    async def wait(
+        self, hold: HoldInstruction, block_hashes: tuple[BlockHash, ...], from_router: bool
+    ) -> float:
+        """Wait out ``hold``; the seconds it took. Only a router's hold may arrive before the
+        request it waits for: it alone gets the arrival grace."""
+        started = time.monotonic()
+        grace_s = self.settings.arrival_grace_s if from_router else 0.0
+        await self.inflight.wait(block_hashes, hold.num_blocks, hold.max_wait_s, grace_s)
+        return time.monotonic() - started

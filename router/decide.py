@@ -1,22 +1,23 @@
 """``RoutingCore``: one router's decisions, without Ray.
 
-For a ``GenerateRequest`` and the candidate replicas (their ids and latest reported stats) it
-builds replica snapshots (the reports, raised by this router's own ledger), asks the registry
-what each candidate holds (within ``lookup_deadline_ms``), lets the policy decide, returns the
-decision (``Routed``), and records speculative entries and the group's traffic. A decision
-that sends a cold long prefix to be computed also claims it in the registry, or is held on the
-replica that claimed it first (``claims.py``). Ray Serve's request router (``serve_router.py``)
-wraps it; tests drive several of them against one Redis.
+For a ``GenerateRequest`` and the candidate replicas (their ids and latest ``ReplicaReport``s)
+it builds replica snapshots (the reports and this router's own ledger, ``replica_load.py``),
+asks the registry what each candidate holds (within ``lookup_deadline_ms``), lets the policy
+decide, returns the decision (``Routed``), and records speculative entries and the group's
+traffic. A decision that sends a cold long prefix to be computed also claims it in the
+registry, or is held on the replica that claimed it first (``holds.py``). Ray Serve's request
+router (``serve_router.py``) wraps it; tests drive several of them against one Redis.
 
-Registry access: the in-process ``RegistryState`` of ``LocalRouterState`` (memory backend,
-under its lock), or a shared ``CacheRegistry`` client (Redis), created on first use and
-connected in the background so that no decision waits for a connect.
+The registry is a ``CacheRegistry``, whatever its backend: the in-process one (over the state
+``LocalRouterState`` shares with the ingress, under its lock) or a Redis client, created on
+first use and connected in the background so that no decision waits for a connect. Its calls
+are awaited only when not already done (``settled``): the in-process registry answers at
+once, so a decision on it never yields to the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -26,21 +27,15 @@ from typing import Any
 
 from prefixmesh.cache_registry.factory import make_registry
 from prefixmesh.cache_registry.hashing import FingerprintMismatchError
-from prefixmesh.cache_registry.protocol import CacheRegistry
+from prefixmesh.cache_registry.protocol import CacheRegistry, settled
 from prefixmesh.cache_registry.types import BlockHash, PrefixHit, PrefixKey, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.router.claims import (
-    ClaimSettings,
-    bound_s,
-    claim_prefix,
-    claim_wait_s,
-    held_on,
-)
+from prefixmesh.router import holds
+from prefixmesh.router.holds import ClaimSettings, claim_prefix
 from prefixmesh.router.ledger import LedgerLoad
 from prefixmesh.router.local_state import LocalRouterState
 from prefixmesh.router.policy import make_policy
 from prefixmesh.router.policy.base import (
-    Hold,
     RegistryView,
     ReplicaCapacity,
     ReplicaSnapshot,
@@ -48,8 +43,9 @@ from prefixmesh.router.policy.base import (
     RouteRequest,
     RoutingPolicy,
 )
+from prefixmesh.router.replica_load import load_rule, snapshot_of
 from prefixmesh.router.spans import note_hit, note_lookup
-from prefixmesh.wire import GenerateRequest, HoldInstruction
+from prefixmesh.wire import GenerateRequest, HoldInstruction, ReplicaReport
 
 logger = logging.getLogger(__name__)
 
@@ -86,26 +82,8 @@ class Routed:
 @dataclass(frozen=True, slots=True)
 class Candidate:
     replica_id: ReplicaId
-    stats: Mapping[str, Any]
-    """The replica's latest ``record_routing_stats`` report ({} before the first)."""
-
-
-def capacity_from_stats(stats: Mapping[str, Any], default: ReplicaCapacity) -> ReplicaCapacity:
-    raw = stats.get("capacity") or {}
-    try:
-        return ReplicaCapacity(
-            prefill_tokens_per_s=float(
-                raw.get("prefill_tokens_per_s", default.prefill_tokens_per_s)
-            ),
-            decode_step_s=float(raw.get("decode_step_s", default.decode_step_s)),
-            max_batch_tokens=int(raw.get("max_batch_tokens", default.max_batch_tokens)),
-            kv_blocks=int(raw.get("kv_blocks", default.kv_blocks)) or default.kv_blocks,
-            tp_degree=int(raw.get("tp_degree", default.tp_degree)),
-            cpu_load_s_per_block=float(raw.get("cpu_load_s_per_block", 0.0)),
-            disk_load_s_per_block=float(raw.get("disk_load_s_per_block", 0.0)),
-        )
-    except (TypeError, ValueError):
-        return default
+    report: ReplicaReport
+    """The replica's latest report (an empty one before the first)."""
 
 
 class RoutingCore:
@@ -120,8 +98,9 @@ class RoutingCore:
         spawn: Spawn | None = None,
     ) -> None:
         """``policy``: made from the config (with ``rng``) when not given. ``registry``: a
-        shared client to use as it is (tests); else one is made from the config on first use.
-        ``spawn``: runs background work (default: a task on the running loop)."""
+        client to use as it is (tests); else one is made from the config on first use.
+        ``spawn``: runs background work, from any thread (default: a task on the running
+        loop)."""
         self.config = config
         self.local = local
         self.policy: RoutingPolicy = policy or make_policy(
@@ -131,32 +110,32 @@ class RoutingCore:
             block_size=config.cache.block_size,
         )
         vllm = config.replica.vllm
-        self._default_capacity = ReplicaCapacity(
+        self._assumed_capacity = ReplicaCapacity(
             prefill_tokens_per_s=vllm.prefill_tokens_per_s,
             decode_step_s=vllm.decode_step_s,
             max_batch_tokens=vllm.max_num_batched_tokens,
             kv_blocks=1,
             tp_degree=vllm.tensor_parallel_size,
         )
+        """A replica's capacity until it reports its own."""
         self._deadline_s = config.registry.lookup_deadline_ms / 1000
-        self._sole_router = config.ingress.num_replicas == 1
         self._direct = config.serving.path == "direct"
         """Requests reach replicas past Serve's handle: no first-token or end callbacks; the
         replicas' reports list the requests they have seen (``LoadLedger.seen``)."""
+        self._load_rule = load_rule(self._direct, config.ingress.num_replicas == 1)
         self._unseen_expiry_s = config.ingress.request_timeout_s
         self.metrics = local.metrics
         self.backend = config.registry.backend
-        self.remote: CacheRegistry | None = registry
-        """The shared registry client (Redis backend); None until first used."""
+        """The registry backend's name, a label of the lookup metrics and spans."""
+        self.registry: CacheRegistry | None = registry
+        """The registry client; None until first used."""
         self._spawn = spawn or self._spawn_here
         self._background: set[asyncio.Future[Any]] = set()
         self._claims = ClaimSettings.from_config(config)
         self._connecting: asyncio.Task[None] | None = None
-        if self.backend == "memory":
-            # Nothing else reaches the in-process registry: the ingress's first-token call on
-            # the ledger releases a request's claim.
-            with local.lock:
-                local.ledger.release_claim = local.registry.release_inflight
+        with local.lock:
+            # Every claim this router takes is released here (``holds.py``).
+            local.ledger.release_claim = self._release_claim
 
     # ---- the decision ----------------------------------------------------------------------
 
@@ -181,15 +160,20 @@ class RoutingCore:
         if first_time and outcome in ("ok", "empty"):
             prefix = claim_prefix(self._claims, route, decision, view.hits)
             if prefix is not None:
-                decision, claim, wait_s = await self._claim(prefix, route, decision, snapshots)
+                claimed = await holds.claim(
+                    self.start_registry(),
+                    self._claims,
+                    prefix,
+                    route,
+                    decision,
+                    snapshots,
+                    self._keep,
+                )
+                decision, claim, wait_s = claimed.decision, claimed.claim, claimed.wait_s
         hit = await self._apply(request, route, decision, view.hits, group, claim, wait_s)
         note_hit(hit)
-        hold = decision.hold
         routed = Routed(
-            decision,
-            hit.num_blocks if hit else 0,
-            HoldInstruction(hold.num_blocks, hold.max_wait_s) if hold is not None else None,
-            claim,
+            decision, hit.num_blocks if hit else 0, holds.instruction(decision.hold), claim
         )
         self.metrics.decided(
             self.policy.name,
@@ -201,82 +185,26 @@ class RoutingCore:
         )
         return routed
 
-    async def _claim(
-        self,
-        prefix: BlockHash,
-        route: RouteRequest,
-        decision: RouteDecision,
-        snapshots: Sequence[ReplicaSnapshot],
-    ) -> tuple[RouteDecision, BlockHash | None, float]:
-        """Claim ``prefix`` for the chosen replica: the decision and the claim it carries, or
-        the decision turned into a hold on the replica that claimed the prefix first; and how
-        long the decision may wait on the registry for it."""
-        chosen = decision.chosen
-        by_id = {snapshot.replica_id: snapshot for snapshot in snapshots}
-        ttl_s = bound_s(self._claims, by_id[chosen], route.prompt_tokens)
-        wait_s = claim_wait_s(self._claims, by_id[chosen], route.prompt_tokens)
-        holder = await self._claim_inflight(prefix, chosen, ttl_s, wait_s)
-        if holder == chosen:
-            return decision, prefix, wait_s
-        snapshot = by_id.get(holder) if holder is not None else None
-        if holder is None or snapshot is None:
-            return decision, None, wait_s  # no answer, or a holder we may not use (avoided)
-        hold = Hold(self._claims.claim_blocks, bound_s(self._claims, snapshot, route.prompt_tokens))
-        return held_on(decision, holder, hold), None, wait_s
-
-    async def _claim_inflight(
-        self, prefix: BlockHash, replica: ReplicaId, ttl_s: float, wait_s: float
-    ) -> ReplicaId | None:
-        """The claim's holder after the attempt; None if the registry could not answer."""
-        if self.backend == "memory":
-            with self.local.lock:
-                return self.local.registry.claim_inflight(prefix, replica, ttl_s)
-        registry = self.start_remote()
-        # Shielded: a late answer is not cancelled mid-command, it lands in the background.
-        claim = asyncio.ensure_future(registry.claim_inflight(prefix, replica, ttl_s))
-        try:
-            return await asyncio.wait_for(asyncio.shield(claim), wait_s)
-        except TimeoutError:
-            # The claim may land: carry it (releasing a claim we do not hold is a no-op), and
-            # compute as if no one else were.
-            self._keep(claim)
-            return replica
-
     def snapshots(self, candidates: Sequence[Candidate]) -> list[ReplicaSnapshot]:
         with self.local.lock:
             if self._direct:
-                reports = [(c.replica_id, c.stats) for c in candidates]
+                reports = [(c.replica_id, c.report) for c in candidates]
                 self.local.apply_reports(reports, time.monotonic(), self._unseen_expiry_s)
             ledger = self.local.ledger.load()
         snapshots = []
         for candidate in candidates:
             replica_id = candidate.replica_id
-            stats = candidate.stats
             own = ledger.get(replica_id) or LedgerLoad()
-            if self._direct:
-                # The report counts what reached the replica; the ledger holds only what this
-                # router sent that no report has listed yet (on its way, or just arrived).
-                queued = int(stats.get("queued_requests", 0)) + own.queued_requests
-                running = int(stats.get("running_requests", 0)) + own.running_requests
-                pending = int(stats.get("pending_prefill_tokens", 0)) + own.pending_prefill_tokens
-            elif self._sole_router:
-                # Every request to the replicas passes through this ingress: the ledger is
-                # exact and current, while a report can be a second old (a stale report would
-                # charge a replica for requests it has finished, and push its prefix away).
-                queued, running = own.queued_requests, own.running_requests
-                pending = own.pending_prefill_tokens
-            else:  # other ingresses route too: their load is only in the (lagging) reports
-                queued = max(int(stats.get("queued_requests", 0)), own.queued_requests)
-                running = max(int(stats.get("running_requests", 0)), own.running_requests)
-                pending = max(
-                    int(stats.get("pending_prefill_tokens", 0)), own.pending_prefill_tokens
-                )
-            capacity = capacity_from_stats(stats, self._default_capacity)
-            active_blocks = int(float(stats.get("kv_usage", 0.0)) * capacity.kv_blocks)
-            self.metrics.saw_load(replica_id, queued, running, pending)
-            snapshots.append(
-                ReplicaSnapshot(replica_id, capacity, queued, running, pending, active_blocks)
+            snapshot = snapshot_of(
+                replica_id, candidate.report, self._assumed_capacity, own, self._load_rule
             )
+            self.metrics.saw_load(
+                replica_id,
+                snapshot.queued_requests,
+                snapshot.running_requests,
+                snapshot.pending_prefill_tokens,
+            )
+            snapshots.append(snapshot)
         return snapshots
 
     async def registry_view(
@@ -289,25 +217,21 @@ class RoutingCore:
     ) -> tuple[RegistryView, str]:
         """What the registry says, and the lookup's outcome (see ``_lookup_outcome``)."""
         started = time.perf_counter()
-        if self.backend == "memory":
-            with self.local.lock:
-                hits = self.local.registry.lookup(key, replicas)
-                rate = self.local.registry.rate(group) if group is not None else 0.0
-            outcome = "ok" if hits else "empty"
-            elapsed_s = time.perf_counter() - started
-            self.metrics.looked_up(self.backend, outcome, elapsed_s)
-            note_lookup(self.backend, outcome, elapsed_s)
-            return RegistryView(hits, rate), outcome
-        registry = self.start_remote()
+        registry = self.start_registry()
         await self._connected()
         failures = registry.stats.lookup_failures
         available = bool(getattr(registry, "available", True))
-        lookup = registry.lookup(key, replicas, deadline_s=self._deadline_s)
-        if group is None:
-            hits, rate = await lookup, 0.0
-        else:
-            rate_call = _bounded(registry.rate(group), self._deadline_s)
-            hits, rate = await asyncio.gather(lookup, rate_call)
+        # The group's rate runs alongside the lookup (which keeps its own deadline).
+        rate_call = asyncio.ensure_future(registry.rate(group)) if group is not None else None
+        hits = await registry.lookup(key, replicas, deadline_s=self._deadline_s)
+        rate = 0.0
+        if rate_call is not None:
+            left_s = self._deadline_s - (time.perf_counter() - started)
+            done = await settled(rate_call, left_s)
+            if done and not rate_call.cancelled() and rate_call.exception() is None:
+                rate = float(rate_call.result())
+            else:
+                rate_call.cancel()
         elapsed_s = time.perf_counter() - started
         outcome = _lookup_outcome(
             hits, elapsed_s, self._deadline_s, available, registry.stats.lookup_failures > failures
@@ -337,64 +261,70 @@ class RoutingCore:
             hit.num_blocks if hit else 0, decision.hold.num_blocks if decision.hold else 0
         )
         uncached = route.prompt_tokens - covered * route.key.block_size
-        ttl_s = self.config.registry.speculative_ttl_s
-        weight = self.policy.traffic_weight(route)
         with self.local.lock:
             first_time = self.local.ledger.routed(
                 request.request_id, chosen, max(uncached, 0), claim, time.monotonic()
             )
-            if first_time and self.backend == "memory":
-                self.local.registry.add_speculative(route.key, chosen, ttl_s)
-                if group is not None:
-                    self.local.registry.touch(group, weight)
         if not first_time:
             return hit
         self.policy.on_routed(route, chosen, time.monotonic())
-        if self.remote is not None:
-            speculative = self.remote.add_speculative(route.key, chosen, ttl_s)
-            if claim is not None:
-                # A claimed prefix: siblings that come after the claim is released must find
-                # it here, so the entry is written before the request leaves (bounded; a late
-                # write still lands).
-                write = asyncio.ensure_future(speculative)
-                self._keep(write)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(write), wait_s)
-            else:
-                self._spawn(speculative)
-            if group is not None:
-                self._spawn(self.remote.touch(group, weight))
+        registry = self.start_registry()
+        ttl_s = self.config.registry.speculative_ttl_s
+        speculative = asyncio.ensure_future(registry.add_speculative(route.key, chosen, ttl_s))
+        # A claimed prefix: siblings that come after the claim is released must find it here,
+        # so the entry is written before the request leaves (bounded; a late write still
+        # lands). Otherwise it lands in the background.
+        if claim is None or not await settled(speculative, wait_s):
+            self._keep(speculative)
+        if group is not None:
+            touch = registry.touch(group, self.policy.traffic_weight(route))
+            self._keep(asyncio.ensure_future(touch))
         return hit
 
-    # ---- membership ------------------------------------------------------------------------
+    # ---- membership and claims -------------------------------------------------------------
 
     def forget(self, replica: ReplicaId) -> None:
-        """Drop a replica that left from the policy, the ledger and the registry."""
+        """Drop a replica that left from the policy, the ledger and the registry (from any
+        thread: Serve's membership callbacks are not always on the router's loop)."""
         try:
             self.policy.on_replica_removed(replica)
             self.metrics.forget_replica(replica)
             with self.local.lock:
                 self.local.ledger.forget_replica(replica)
-                if self.backend == "memory":
-                    self.local.registry.drop_replica(replica)
-            if self.backend != "memory":
-                self._spawn(self._drop_remote(replica))
+                self.local.forget(replica)
+            self._spawn(self._drop(replica))
         except Exception:
             logger.exception("forgetting replica %s failed", replica)
 
-    async def _drop_remote(self, replica: ReplicaId) -> None:
-        await self.start_remote().drop_replica(replica)
+    async def _drop(self, replica: ReplicaId) -> None:
+        await self.start_registry().drop_replica(replica)
 
-    # ---- the shared registry ---------------------------------------------------------------
+    def _release_claim(self, prefix: BlockHash, replica: ReplicaId) -> None:
+        """The ledger's hook, called under the local lock on whatever thread ended the entry:
+        the release runs on the router's loop."""
+        try:
+            self._spawn(self._release(prefix, replica))
+        except Exception:
+            logger.exception("releasing the claim on %s failed; its TTL ends it", prefix)
 
-    def start_remote(self) -> CacheRegistry:
-        """The Redis client, created on first use with its ``connect`` started in the
+    async def _release(self, prefix: BlockHash, replica: ReplicaId) -> None:
+        await holds.release(self.start_registry(), prefix, replica)
+
+    async def settle(self) -> None:
+        """Wait for this core's background registry work (tests; a clean shutdown)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    # ---- the registry ----------------------------------------------------------------------
+
+    def start_registry(self) -> CacheRegistry:
+        """The registry client, created on first use with its ``connect`` started in the
         background: only the router's first decisions wait for it, once, at most
         ``CONNECT_WAIT_S`` (connect takes up to 4 op timeouts when Redis is down); lookups
         before it has checked the fingerprint return nothing known."""
-        if self.remote is None:
-            self.remote = make_registry(self.config)
-            connect = self._connect(self.remote)
+        if self.registry is None:
+            self.registry = make_registry(self.config, self.local.registry, self.local.lock)
+            connect = self._connect(self.registry)
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
@@ -402,7 +332,7 @@ class RoutingCore:
             else:
                 self._connecting = loop.create_task(connect)
                 self._keep(self._connecting)
-        return self.remote
+        return self.registry
 
     async def _connected(self) -> None:
         """A new router's first decisions wait for its registry's fingerprint check, once, at
@@ -429,7 +359,9 @@ class RoutingCore:
 
     def _keep(self, task: asyncio.Future[Any]) -> None:
         """Hold a reference to background work until it is done (the loop keeps only weak
-        ones)."""
+        ones); work already done needs none."""
+        if task.done():
+            return
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -450,10 +382,3 @@ def _lookup_outcome(
     if failed:
         return "timeout" if elapsed_s >= deadline_s * 0.9 else "unavailable"
     return "empty"
-
-
-async def _bounded(coroutine: Any, timeout_s: float) -> float:
-    try:
-        return float(await asyncio.wait_for(coroutine, timeout_s))
-    except (TimeoutError, Exception):
-        return 0.0

@@ -14,8 +14,10 @@ router adds it to the report. An entry no report ever lists (its client went awa
 HAProxy forwarded it) expires.
 
 It also carries the in-flight claim a decision took for its replica (delay-hit holds across
-routers): in the in-process registry mode nobody else can release it, so the request's first
-token (or its end) hands it to ``release_claim``.
+routers, ``holds.py``): the router that took a claim releases it, and this is where it learns
+when, so every way an entry ends (first token, end, seen in a report, moved, expired) hands its
+claim to ``release_claim``. A replica's report becomes the router's view of its load in
+``replica_load.py``.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ class LoadLedger:
     def __init__(self, release_claim: ReleaseClaim | None = None) -> None:
         self._requests: dict[str, _Routed] = {}
         self.release_claim = release_claim
-        """Called (under the caller's lock) with a request's claim at its first token or end;
-        None: claims are released elsewhere (by the replica, in Redis mode)."""
+        """Called (under the caller's lock, on whatever thread ended the entry) with a
+        request's claim when the entry no longer needs it; it must not block."""
 
     def routed(
         self,

@@ -3,9 +3,9 @@
 Serve builds the request router itself (from a pickled class) inside the ingress replica's
 process, and runs it on its own event loop thread; the ingress cannot hand it objects. The two
 meet here, by application name: the in-process registry (single-ingress mode), the load ledger,
-the router's metrics and the router itself (whose replicas carry their latest stats). This
-module is imported by reference in both, so it is the process-wide rendezvous; every access
-goes through the lock (the metrics excepted: they lock themselves).
+the router's metrics and the router itself (whose replicas carry their latest reports, as
+Serve's dicts). This module is imported by reference in both, so it is the process-wide
+rendezvous; every access goes through the lock (the metrics excepted: they lock themselves).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 from prefixmesh.cache_registry.memory import RegistryState
 from prefixmesh.router.ledger import LoadLedger
 from prefixmesh.router.metrics import RouterMetrics
+from prefixmesh.wire import ReplicaReport
 
 
 @dataclass
@@ -27,28 +28,50 @@ class LocalRouterState:
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     """The router's Prometheus metrics (thread-safe on their own; no lock needed)."""
     stats_source: Any = None
-    """The request router, whose replicas carry their latest reported stats."""
+    """The request router, whose replicas carry their latest reports (Serve's dicts)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
-    _applied_reports: dict[str, object] = field(default_factory=dict)
-    """Per replica, the ``seen_requests`` list last applied to the ledger (held, so that a new
-    report's list can never be mistaken for it by identity)."""
+    _reports: dict[str, tuple[object, ReplicaReport]] = field(default_factory=dict)
+    """Per replica, Serve's latest report dict and its conversion (held: a dict is converted
+    once, and a new one can never be mistaken for it by identity)."""
+    _applied: dict[str, ReplicaReport] = field(default_factory=dict)
+    """Per replica, the report last applied to the ledger."""
+
+    def report(self, replica: str, stats: Mapping[str, Any] | None) -> ReplicaReport:
+        """Serve's ``routing_stats`` of ``replica`` as a ``ReplicaReport``, converted once per
+        report (Serve replaces the dict when a new one arrives; caller holds the lock)."""
+        cached = self._reports.get(replica)
+        if cached is not None and cached[0] is stats:
+            return cached[1]
+        report = ReplicaReport.from_wire(stats)
+        self._reports[replica] = (stats, report)
+        return report
 
     def apply_reports(
-        self, reports: Iterable[tuple[str, Mapping[str, Any]]], now_s: float, expiry_s: float
+        self,
+        reports: Iterable[tuple[str, ReplicaReport | Mapping[str, Any]]],
+        now_s: float,
+        expiry_s: float,
     ) -> None:
         """The direct path's load accounting (caller holds the lock): drop the ledger entries
-        the replicas' reports list as seen, each report once (Serve replaces a replica's stats
-        object when a new report arrives), and expire entries no report ever listed."""
-        for replica, stats in reports:
-            seen = stats.get("seen_requests")
-            if seen is None or self._applied_reports.get(replica) is seen:
+        the replicas' reports list as seen, each report once, and expire entries no report
+        ever listed. A report may come as its wire dict (``replica_stats``)."""
+        for replica, report in reports:
+            if not isinstance(report, ReplicaReport):
+                report = ReplicaReport.from_wire(report)
+            if self._applied.get(replica) is report:
                 continue
-            self._applied_reports[replica] = seen
-            self.ledger.seen(seen)
+            self._applied[replica] = report
+            self.ledger.seen(report.seen_requests)
         self.ledger.expire(now_s, expiry_s)
 
+    def forget(self, replica: str) -> None:
+        """A replica left: its reports go (caller holds the lock)."""
+        self._reports.pop(replica, None)
+        self._applied.pop(replica, None)
+
     def replica_stats(self) -> list[dict[str, Any]]:
-        """Every replica's latest ``record_routing_stats`` report (polled by Serve)."""
+        """Every replica's latest report in its wire form, with its id (polled by Serve; for
+        tests and benchmarks, through the router's handle)."""
         with self.lock:
             source = self.stats_source
         if source is None:

@@ -2,11 +2,12 @@
 
 Serve calls ``choose_replicas`` in the ingress process (on the router's own event loop) for
 every call on the replica handle. For a ``GenerateRequest`` it hands the candidates' ids and
-latest reported stats to ``RoutingCore`` (``decide.py``: registry lookup, policy, hold, claim,
-speculative entries) and maps the ranking back to Serve's replicas. Any error falls back to
-power of two: an exception inside a request router would hang the request (DESIGN.md §7), so
-nothing escapes. A retried request names the replicas that failed it (``avoid_replicas``); they
-are left out while any other candidate remains. Every decision lands in ``RouterMetrics``.
+latest reports (Serve's dicts, converted once each: ``LocalRouterState.report``) to
+``RoutingCore`` (``decide.py``: registry lookup, policy, hold, claim, speculative entries) and
+maps the ranking back to Serve's replicas. Any error falls back to power of two: an exception
+inside a request router would hang the request (DESIGN.md §7), so nothing escapes. A retried
+request names the replicas that failed it (``avoid_replicas``); they are left out while any
+other candidate remains. Every decision lands in ``RouterMetrics``.
 """
 
 from __future__ import annotations
@@ -42,13 +43,12 @@ class PrefixmeshRequestRouter(RequestRouter):
         self._metrics = self._local.metrics
         self._background: set[asyncio.Task[Any]] = set()
         self._rng = random.Random()
-        if config.registry.backend != "memory":
-            try:
-                asyncio.get_running_loop()  # Serve builds routers on their loop: connect now
-            except RuntimeError:
-                pass  # off the loop: the first decision starts it (still without waiting)
-            else:
-                self._core.start_remote()
+        try:
+            asyncio.get_running_loop()  # Serve builds routers on their loop: connect now
+        except RuntimeError:
+            pass  # off the loop: the first decision starts it (still without waiting)
+        else:
+            self._core.start_registry()
 
     # ---- Serve hooks -----------------------------------------------------------------------
 
@@ -117,10 +117,13 @@ class PrefixmeshRequestRouter(RequestRouter):
         if request is None:
             return [candidates]  # other calls: Serve picks the least loaded
         by_id = {ReplicaId(r.replica_id.unique_id): r for r in candidates}
+        local = self._local
+        with local.lock:
+            reports = [
+                Candidate(rid, local.report(rid, r.routing_stats)) for rid, r in by_id.items()
+            ]
         with route_span(request) as span:  # a no-op when tracing is off
-            routed = await self._core.decide(
-                request, [Candidate(rid, r.routing_stats or {}) for rid, r in by_id.items()]
-            )
+            routed = await self._core.decide(request, reports)
             _carry(request, routed)
             span.decided(self._core.policy.name, routed.decision, request)
         ranked = [[by_id[r] for r in tier if r in by_id] for tier in routed.ranked]
@@ -147,12 +150,13 @@ class PrefixmeshRequestRouter(RequestRouter):
         """Power of two on the replicas' reports, the less loaded first (the direct path's
         router takes the first replica of the first rank)."""
         pair = self._rng.sample(candidates, min(2, len(candidates)))
-
-        def load(replica: RunningReplica) -> int:
-            stats = replica.routing_stats or {}
-            return int(stats.get("queued_requests", 0)) + int(stats.get("running_requests", 0))
-
-        return [sorted(pair, key=load)]
+        local = self._local
+        with local.lock:
+            load = {
+                id(r): local.report(r.replica_id.unique_id, r.routing_stats).ongoing_requests
+                for r in pair
+            }
+        return [sorted(pair, key=lambda r: load[id(r)])]
 
     def _power_of_two(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         if len(candidates) <= 2:

@@ -1,5 +1,6 @@
 """What travels between the router (router/) and the replicas (replica/), and the OpenAI API
-both speak (``openai_protocol``, ``openai_render``, ``generation``).
+both speak (``openai_protocol``, ``openai_render``, ``generation``). A replica's load travels as a
+``ReplicaReport`` (``replica_report``).
 
 Both packages import this package and never each other. On the proxy path the request router
 reads a ``GenerateRequest`` as the first argument of a replica call and sets its ``hold`` and what
@@ -11,6 +12,10 @@ replica as trusted headers (``route_ticket``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from prefixmesh.wire.replica_report import ReplicaCapacity as ReplicaCapacity
+from prefixmesh.wire.replica_report import ReplicaCounters as ReplicaCounters
+from prefixmesh.wire.replica_report import ReplicaReport as ReplicaReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +50,9 @@ class GenerateRequest:
     """The routing decision's reason, for metrics."""
     claim: int | None = None
     """Set by the request router: the prefix (a block hash) it claimed in the registry as in
-    flight on the chosen replica, which releases it at the request's first chunk (delay-hit
-    holds across routers: siblings routed meanwhile, from any ingress, wait there)."""
+    flight on the chosen replica (delay-hit holds across routers: siblings routed meanwhile,
+    from any router, wait there). The router that claimed it releases it (its ledger); the
+    replica only carries it."""
     avoid_replicas: tuple[str, ...] = ()
     """Replicas a retry must not go back to (they failed this request); the request router
     ignores it when it would leave no candidate."""

@@ -14,30 +14,8 @@ from typing import Protocol
 
 from prefixmesh.cache_registry.types import BlockHash, PrefixHit, PrefixKey, ReplicaId
 
-
-@dataclass(frozen=True, slots=True)
-class ReplicaCapacity:
-    """What one replica (one data-parallel rank, possibly tensor-parallel) can do.
-
-    Per replica, not per GPU: a TP-4 replica reports the prefill rate of its four GPUs together.
-    """
-
-    prefill_tokens_per_s: float
-    """Uncached prompt tokens it prefills per second when busy (long-prompt regime)."""
-    decode_step_s: float
-    """Time of one decode step at a small batch: the inter-token latency floor."""
-    max_batch_tokens: int
-    """Per-step token budget of its scheduler (chunked prefill + decode tokens)."""
-    kv_blocks: int
-    """Engine-tier KV cache capacity in blocks."""
-    tp_degree: int = 1
-    cpu_load_s_per_block: float = 0.0
-    """Time to bring one block back from its CPU tier (0 when it has none)."""
-    disk_load_s_per_block: float = 0.0
-    kv_read_s_per_block: float = 0.0
-    """Step time added per KV block its running requests hold: decode attention reads every
-    one of them each step (KV bytes per block / memory bandwidth). 0 when unknown: then a busy
-    replica's decode steps are estimated from its running requests' compute alone."""
+# What replicas report (the wire type), re-exported: policies weigh replicas by it.
+from prefixmesh.wire.replica_report import ReplicaCapacity as ReplicaCapacity
 
 
 @dataclass(frozen=True, slots=True)

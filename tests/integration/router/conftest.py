@@ -8,7 +8,6 @@ import random
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
@@ -19,22 +18,11 @@ from prefixmesh.cache_registry.types import BlockHash, CacheEvent, EventKind, Re
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.router.decide import Candidate, RoutingCore
 from prefixmesh.router.local_state import LocalRouterState
-from prefixmesh.wire import GenerateRequest, SamplingSettings
+from prefixmesh.wire import GenerateRequest, ReplicaCapacity, ReplicaReport, SamplingSettings
 
 REPLICAS = tuple(ReplicaId(f"r{i}") for i in range(4))
-STATS: dict[str, Any] = {
-    "queued_requests": 0,
-    "running_requests": 0,
-    "pending_prefill_tokens": 0,
-    "kv_usage": 0.0,
-    "capacity": {
-        "prefill_tokens_per_s": 10_000.0,
-        "decode_step_s": 0.02,
-        "max_batch_tokens": 2048,
-        "kv_blocks": 1000,
-    },
-}
-CANDIDATES = [Candidate(r, STATS) for r in REPLICAS]
+IDLE = ReplicaReport(capacity=ReplicaCapacity(10_000.0, 0.02, 2048, 1000))
+CANDIDATES = [Candidate(r, IDLE) for r in REPLICAS]
 BLOCK = 128
 
 

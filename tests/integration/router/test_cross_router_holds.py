@@ -13,7 +13,9 @@ import asyncio
 import pytest
 
 from prefixmesh.cache_registry.types import BlockHash
-from prefixmesh.router.claims import CLAIM_REASON
+from prefixmesh.router.decide import Candidate
+from prefixmesh.router.holds import CLAIM_REASON
+from prefixmesh.wire import ReplicaReport
 from tests.integration.router.conftest import CANDIDATES, REPLICAS, Cluster, document
 
 pytestmark = pytest.mark.redis
@@ -34,7 +36,7 @@ async def test_a_sibling_from_another_router_is_held_on_the_computing_replica(
     assert held.chosen == computing.chosen
     assert held.hold is not None and held.hold.max_wait_s > 0
     assert held.claim is None
-    # The claim names the computing replica in Redis until that replica releases it.
+    # The claim names the computing replica in Redis until it is released.
     registry = await cluster.client()
     head = BlockHash(first.block_hashes[HEAD_BLOCKS - 1])
     assert await registry.inflight(head) == computing.chosen
@@ -79,3 +81,23 @@ async def test_an_expired_claim_frees_routing(cluster: Cluster) -> None:
     assert decision.hold is None and decision.reason != CLAIM_REASON
     assert decision.claim == head  # it computes the prefix now, and claimed it
     assert await registry.inflight(head) == decision.chosen
+
+
+async def test_the_router_that_claimed_releases_the_claim(cluster: Cluster) -> None:
+    """One release path for every backend: the claiming router's ledger, through the registry,
+    at the first token (proxy path) or when a replica's report lists the request (direct)."""
+    a = await cluster.router(1, DEADLINE)
+    registry = await cluster.client()
+    for path in ("first_token", "report"):
+        request = cluster.request(document(40 if path == "report" else 41), 1)
+        head = BlockHash(request.block_hashes[HEAD_BLOCKS - 1])
+        computing = await a.decide(request, CANDIDATES)
+        assert computing.claim == head and await registry.inflight(head) == computing.chosen
+        if path == "first_token":
+            with a.local.lock:
+                a.local.ledger.first_token(request.request_id)
+        else:
+            arrived = ReplicaReport(running_requests=1, seen_requests=(request.request_id,))
+            a.snapshots([Candidate(computing.chosen, arrived)])
+        await a.settle()
+        assert await registry.inflight(head) is None, path

@@ -5,7 +5,13 @@ import asyncio
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import EventKind, Tier
 from prefixmesh.replica.engines.base import BlockChange, HeldMirror
-from prefixmesh.replica.holds import InflightPrefills, combined_hold, own_hold
+from prefixmesh.replica.holds import (
+    HoldSettings,
+    InflightPrefills,
+    ReplicaHolds,
+    combined_hold,
+    own_hold,
+)
 from prefixmesh.wire import HoldInstruction
 
 HASHER = BlockHasher(2, "m")
@@ -133,3 +139,44 @@ async def test_the_arrival_grace_is_bounded() -> None:
     assert await inflight.wait(SIBLING, 4, max_wait_s=0.02, arrival_grace_s=1.0) is False
     assert loop.time() - started < 0.5
     assert (inflight.holds, inflight.hold_timeouts) == (0, 0)
+
+
+def _never() -> float:
+    raise AssertionError("asked although there is nothing to wait for")
+
+
+def test_nothing_in_flight_and_no_router_hold_asks_nothing() -> None:
+    holds = ReplicaHolds(HoldSettings(own_holds=True))
+    assert holds.hold_for(None, SIBLING, _never, _never) is None
+
+
+def test_the_replica_holds_on_its_own_only_when_told_it_may() -> None:
+    router_hold = HoldInstruction(2, 0.5)
+    for own_holds in (True, False):
+        holds = ReplicaHolds(HoldSettings(own_holds=own_holds, min_blocks=1))
+        holds.inflight.started("a", LONG, 12)
+        hold = holds.hold_for(None, SIBLING, lambda: 0, lambda: 1000.0)
+        assert (hold is not None) is own_holds
+        if hold is not None:
+            assert hold.num_blocks == 4  # what the prefill in flight shares with it
+        # A router's hold is waited out either way (with the longer bound when both).
+        both = holds.hold_for(router_hold, SIBLING, lambda: 0, lambda: 1000.0)
+        assert both is not None and both.num_blocks == (4 if own_holds else 2)
+        # Blocks the engine already holds: nothing left to wait for.
+        assert holds.hold_for(router_hold, SIBLING, lambda: 4, lambda: 1000.0) is None
+
+
+async def test_only_a_routers_hold_waits_for_its_prefill_to_arrive() -> None:
+    holds = ReplicaHolds(HoldSettings(own_holds=True, arrival_grace_s=5.0))
+    hold = HoldInstruction(4, 5.0)
+    assert await holds.wait(hold, SIBLING, from_router=False) < 1.0  # no grace: at once
+    waiter = asyncio.create_task(holds.wait(hold, SIBLING, from_router=True))
+    await asyncio.sleep(0)
+    holds.inflight.started("a", LONG, 12)  # the prefill it names starts here
+    for _ in range(100):  # a few loop turns: the grace wakes, finds it, and waits on it
+        if holds.inflight.holds:
+            break
+        await asyncio.sleep(0)
+    assert not waiter.done() and holds.inflight.holds == 1
+    holds.inflight.finished("a")
+    assert await asyncio.wait_for(waiter, 1) < 5.0

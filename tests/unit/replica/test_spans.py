@@ -15,7 +15,7 @@ from prefixmesh.cache_registry.types import BlockHash, ReplicaId
 from prefixmesh.config import TelemetryConfig
 from prefixmesh.replica.deployment import ReplicaServer
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest, HeldMirror
-from prefixmesh.replica.holds import InflightPrefills
+from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
 from prefixmesh.replica.spans import NO_TRACE, replica_trace
 from prefixmesh.wire import GenerateRequest, HoldInstruction, SamplingSettings
 
@@ -36,7 +36,12 @@ class _Engine:
             yield EngineChunk((i,), last, "length" if last else None, num_cached_tokens=128)
 
     def capacity(self) -> dict[str, float]:
-        return {"prefill_tokens_per_s": 10_000.0}
+        return {
+            "prefill_tokens_per_s": 10_000.0,
+            "decode_step_s": 0.01,
+            "max_batch_tokens": 2048,
+            "kv_blocks": 100,
+        }
 
     def close(self) -> None:
         pass
@@ -46,13 +51,9 @@ def _server(engine: _Engine) -> ReplicaServer:
     server = ReplicaServer.__new__(ReplicaServer)  # no Serve: only what generate touches
     server.replica_id = R
     server.engine = engine
-    server.inflight = InflightPrefills()
+    server.holds = ReplicaHolds(HoldSettings(own_holds=True))
     server._resident = HeldMirror()
-    server._holds_enabled = True
     server._coalesce = False
-    server._hold_min_blocks = 1
-    server._arrival_grace_s = 0.0
-    server._releases = set()
     server._registry = None
     server._prefill_tokens = {}
     server._running = set()
@@ -118,7 +119,7 @@ async def test_generate_spans_are_children_of_the_route_span(memory: None) -> No
 
 async def test_a_held_request_records_the_time_it_waited(memory: None) -> None:
     server = _server(_Engine())
-    server.inflight.started("other", BLOCKS, 256)  # another request is computing the prefix
+    server.holds.inflight.started("other", BLOCKS, 256)  # another request is computing the prefix
     request = _request(HoldInstruction(num_blocks=2, max_wait_s=0.05))
     await _drain(server, request)
     queue = next(s for s in tracing.finished_spans() if s["name"] == "prefixmesh.replica.queue")

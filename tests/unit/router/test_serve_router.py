@@ -24,7 +24,8 @@ from prefixmesh.cache_registry.types import (
 from prefixmesh.config import load_config
 from prefixmesh.router.decide import _lookup_outcome
 from prefixmesh.router.serve_router import PrefixmeshRequestRouter
-from prefixmesh.wire import GenerateRequest, LoadBalanced, SamplingSettings
+from prefixmesh.wire import GenerateRequest, LoadBalanced, ReplicaReport, SamplingSettings
+from tests.unit.router.test_metrics import samples
 
 BLOCK = 128
 BLOCKS = tuple(BlockHash(100 + i) for i in range(4))
@@ -114,7 +115,7 @@ async def test_a_hung_registry_delays_neither_the_start_nor_the_first_decision(
         "registry.lookup_deadline_ms=5",
     )
     assert time.perf_counter() - started < 0.5  # nothing awaited (connect waits up to 1 s)
-    assert router._core.remote is not None  # the client exists, connecting in the background
+    assert router._core.registry is not None  # the client exists, connecting in the background
     key = PrefixKey(BLOCKS, BLOCK)
     started = time.perf_counter()
     view = await router._core.registry_view(key, [ReplicaId("r1")], None)
@@ -122,11 +123,13 @@ async def test_a_hung_registry_delays_neither_the_start_nor_the_first_decision(
     assert view.hits == {}
     # The lookup deadline plus slack for a loaded 2-core machine, far below connect's 1 s.
     assert took_s < 0.005 + 0.1, took_s
-    fallbacks = router._metrics.fallbacks
-    timed_out = fallbacks.labels(reason="registry_timeout")._value.get()
-    unavailable = fallbacks.labels(reason="registry_unavailable")._value.get()
+    fallbacks = samples(router._metrics.render())
+    timed_out = fallbacks[("prefixmesh_routing_fallbacks_total", (("reason", "registry_timeout"),))]
+    unavailable = fallbacks[
+        ("prefixmesh_routing_fallbacks_total", (("reason", "registry_unavailable"),))
+    ]
     assert timed_out + unavailable == 1
-    await router._core.remote.close()
+    await router._core.registry.close()
 
 
 @pytest.mark.parametrize(
@@ -166,12 +169,7 @@ def test_the_direct_path_counts_a_report_plus_what_no_report_lists_yet() -> None
     with local.lock:
         local.ledger.routed("arrived", ReplicaId("r1"), 500, now_s=time.monotonic())
         local.ledger.routed("on-its-way", ReplicaId("r1"), 300, now_s=time.monotonic())
-    report = {
-        "queued_requests": 1,
-        "running_requests": 2,
-        "pending_prefill_tokens": 500,
-        "seen_requests": ["arrived", "finished-earlier"],
-    }
+    report = ReplicaReport(1, 2, 500, seen_requests=("arrived", "finished-earlier"))
     [snapshot] = core.snapshots([Candidate(ReplicaId("r1"), report)])
     assert (snapshot.queued_requests, snapshot.running_requests) == (2, 2)
     assert snapshot.pending_prefill_tokens == 800

@@ -229,8 +229,8 @@ async def test_a_hung_registry_shows_as_a_registry_fallback(
         "registry_unavailable",
     )
     assert route["attributes"]["prefixmesh.registry_backend"] == "redis"
-    assert router._core.remote is not None
-    await router._core.remote.close()
+    assert router._core.registry is not None
+    await router._core.registry.close()
 
 
 async def test_tracing_off_leaves_the_request_alone() -> None:

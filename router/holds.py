@@ -1,20 +1,31 @@
-"""In-flight claims: delay-hit holds that work across routers (pure helpers of ``RoutingCore``).
+"""Delay-hit holds, the router's side: the one module for them (``replica/holds.py`` is the
+replica's, which waits them out).
 
-A hold normally comes from the policy, which sees the speculative entry a router wrote when it
-sent a prefix to be computed. That entry is written after the decision, so two ingresses that
-route siblings of a cold long prefix in the same millisecond both miss it and both compute the
-prefix. A claim closes the gap: when a decision sends at least ``hold_min_tokens`` that no
-candidate holds to be computed, the router claims the prefix's head in the registry for the
-chosen replica (an atomic set-if-absent with a TTL). The first claimant wins; a router whose
-claim finds another holder turns its decision into a hold on that holder. The replica releases
-the claim at the request's first chunk, when its blocks are stored and the registry shows them.
+A hold normally comes from the policy (``PrefixmeshPolicy``), which sees the speculative entry
+a router wrote when it sent a prefix to be computed and weighs waiting for it against the
+alternatives. That entry is written after the decision, so two routers that route siblings of
+a cold long prefix in the same millisecond both miss it and both compute the prefix. A claim
+closes the gap: when a decision sends at least ``hold_min_tokens`` that no candidate holds to be
+computed, the router claims the prefix's head in the registry for the chosen replica (an atomic
+set-if-absent with a TTL, ``claim``). The first claimant wins; a router whose claim finds
+another holder turns its decision into a hold on that holder.
+
+Claims are released on one path, by the router that took them, through its ledger
+(``release``): at the request's first token or end (the proxy path's callbacks), when a
+replica's report lists the request as arrived (the direct path: the speculative entry, written
+before the request left, covers siblings from then on), when the request moves or expires. The
+TTL ends a claim whose router died. What reaches the replica is a ``HoldInstruction``
+(``instruction``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from prefixmesh.cache_registry.protocol import CacheRegistry, settled
 from prefixmesh.cache_registry.types import BlockHash, PrefixHit, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.router.policy.base import (
@@ -23,6 +34,7 @@ from prefixmesh.router.policy.base import (
     RouteDecision,
     RouteRequest,
 )
+from prefixmesh.wire import HoldInstruction
 
 CLAIM_REASON = "hold_claim"
 """The reason of a decision turned into a hold by another router's claim."""
@@ -121,3 +133,56 @@ def held_on(decision: RouteDecision, holder: ReplicaId, hold: Hold) -> RouteDeci
         kept for tier in decision.ranked if (kept := tuple(r for r in tier if r != holder))
     )
     return RouteDecision(((holder,), *rest), hold, CLAIM_REASON)
+
+
+def instruction(hold: Hold | None) -> HoldInstruction | None:
+    """The hold as the replica receives it."""
+    return None if hold is None else HoldInstruction(hold.num_blocks, hold.max_wait_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """What a claim attempt made of a decision."""
+
+    decision: RouteDecision
+    """The decision, or the decision turned into a hold on the replica that claimed first."""
+    claim: BlockHash | None
+    """The prefix claimed for the chosen replica (its router's ledger releases it)."""
+    wait_s: float
+    """How long the decision may wait on the registry (for its speculative entry, too)."""
+
+
+async def claim(
+    registry: CacheRegistry,
+    settings: ClaimSettings,
+    prefix: BlockHash,
+    route: RouteRequest,
+    decision: RouteDecision,
+    snapshots: Sequence[ReplicaSnapshot],
+    keep: Callable[[asyncio.Future[Any]], None],
+) -> Claimed:
+    """Claim ``prefix`` for the chosen replica, waiting at most ``claim_wait_s`` for the
+    registry's answer. ``keep`` holds a late attempt until it lands."""
+    chosen = decision.chosen
+    by_id = {snapshot.replica_id: snapshot for snapshot in snapshots}
+    ttl_s = bound_s(settings, by_id[chosen], route.prompt_tokens)
+    wait_s = claim_wait_s(settings, by_id[chosen], route.prompt_tokens)
+    attempt = asyncio.ensure_future(registry.claim_inflight(prefix, chosen, ttl_s))
+    if not await settled(attempt, wait_s):
+        # The claim may land: carry it (releasing a claim we do not hold is a no-op), and
+        # compute as if no one else were.
+        keep(attempt)
+        return Claimed(decision, prefix, wait_s)
+    holder = attempt.result()
+    if holder == chosen:
+        return Claimed(decision, prefix, wait_s)
+    snapshot = by_id.get(holder) if holder is not None else None
+    if snapshot is None:
+        return Claimed(decision, None, wait_s)  # no answer, or a holder we may not use (avoided)
+    hold = Hold(settings.claim_blocks, bound_s(settings, snapshot, route.prompt_tokens))
+    return Claimed(held_on(decision, holder, hold), None, wait_s)
+
+
+async def release(registry: CacheRegistry, prefix: BlockHash, replica: ReplicaId) -> None:
+    """Release ``replica``'s claim on ``prefix`` (a no-op if another holds it now)."""
+    await registry.release_inflight(prefix, replica)

@@ -1,6 +1,6 @@
 """In-flight claims in ``RoutingCore`` with the in-process registry and no Ray: a cold long prefix
 is claimed for the replica sent to compute it; a decision that finds another replica's claim is
-held there; the ingress's first token (the ledger) releases the claim."""
+held there; the ingress's first token (the ledger) releases the claim, through the registry."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import uuid
 from prefixmesh.cache_registry.factory import make_hasher, make_memory_state
 from prefixmesh.cache_registry.types import BlockHash, CacheEvent, EventKind, ReplicaId, Tier
 from prefixmesh.config import PrefixmeshConfig, load_config
-from prefixmesh.router.claims import CLAIM_REASON
 from prefixmesh.router.decide import Candidate, RoutingCore
+from prefixmesh.router.holds import CLAIM_REASON
 from prefixmesh.router.local_state import LocalRouterState
-from prefixmesh.wire import GenerateRequest, SamplingSettings
+from prefixmesh.wire import GenerateRequest, ReplicaReport, SamplingSettings
 
 REPLICAS = [ReplicaId(f"r{i}") for i in range(4)]
 DOCUMENT = list(range(1000, 1000 + 12 * 128))  # 12 blocks: far above hold_min_tokens
@@ -40,7 +40,7 @@ def request(question: int, tokens: list[int] = DOCUMENT) -> GenerateRequest:
 
 
 def candidates(*names: ReplicaId) -> list[Candidate]:
-    return [Candidate(r, {}) for r in names or REPLICAS]
+    return [Candidate(r, ReplicaReport()) for r in names or REPLICAS]
 
 
 async def test_a_cold_long_prefix_is_claimed_for_its_replica() -> None:
@@ -53,9 +53,10 @@ async def test_a_cold_long_prefix_is_claimed_for_its_replica() -> None:
     assert decision.claim == head
     assert state.registry.live_claim(head) is not None
     assert state.registry.live_claim(head)[0] == decision.chosen  # type: ignore[index]
-    # The ingress sees the first token: the ledger releases the claim.
+    # The ingress sees the first token: the ledger releases the claim (on the router's loop).
     with state.lock:
         state.ledger.first_token(first.request_id)
+    await core.settle()
     assert state.registry.live_claim(head) is None
 
 
@@ -105,7 +106,7 @@ async def test_no_claim_for_a_warm_prefix_a_short_prompt_or_when_disabled() -> N
 
 
 def test_a_claim_waits_a_share_of_the_prefill_it_can_save() -> None:
-    from prefixmesh.router.claims import ClaimSettings, claim_wait_s
+    from prefixmesh.router.holds import ClaimSettings, claim_wait_s
     from prefixmesh.router.policy.base import ReplicaCapacity, ReplicaSnapshot
 
     settings = ClaimSettings.from_config(config())

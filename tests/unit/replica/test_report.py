@@ -1,0 +1,70 @@
+"""What a replica reports for routing: a ``ReplicaReport`` of its own counts and its engine's,
+sent to Serve in its wire form (no Serve here)."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.replica.deployment import ReplicaServer
+from prefixmesh.replica.engines.base import EngineLoad
+from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
+from prefixmesh.wire import ReplicaCapacity, ReplicaReport
+
+CAPACITY = {
+    "prefill_tokens_per_s": 9000.0,
+    "decode_step_s": 0.02,
+    "max_batch_tokens": 2048,
+    "kv_blocks": 512,
+    "tp_degree": 1,
+}
+
+
+class _Engine:
+    def capacity(self) -> dict[str, float]:
+        return CAPACITY
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            waiting_requests=1, running_requests=2, kv_usage=0.5, prefix_cache_hit_tokens=64
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def _server() -> ReplicaServer:
+    server = ReplicaServer.__new__(ReplicaServer)
+    server.replica_id = ReplicaId("replica-a")
+    server.engine = _Engine()  # type: ignore[assignment]
+    server.holds = ReplicaHolds(HoldSettings(own_holds=True))
+    server.publisher = SimpleNamespace(  # type: ignore[assignment]
+        epoch=7, published_events=30, resyncs=1, heartbeat_mismatches=0, reaped=2
+    )
+    server._prefill_tokens = {"q1": 300, "q2": 200}
+    server._running = {"run1"}
+    server._finished = deque(["done1"], maxlen=8)
+    return server
+
+
+def test_the_report_counts_what_reached_the_replica() -> None:
+    report = _server().report()
+    assert (report.queued_requests, report.running_requests) == (2, 1)
+    assert report.pending_prefill_tokens == 500 and report.kv_usage == 0.5
+    assert report.capacity == ReplicaCapacity(9000.0, 0.02, 2048, 512)
+    assert set(report.seen_requests) == {"q1", "q2", "run1", "done1"}
+    counters = report.counters
+    assert (counters.epoch, counters.reaped_replicas, counters.prefix_cache_hit_tokens) == (
+        7,
+        2,
+        64,
+    )
+    assert counters.engine_waiting_requests == 1 and counters.engine_running_requests == 2
+
+
+def test_serve_gets_the_wire_form_of_the_report() -> None:
+    server = _server()
+    wire = server.record_routing_stats()
+    assert ReplicaReport.from_wire(wire) == server.report()
+    assert wire["resyncs"] == 1 and wire["capacity"]["kv_blocks"] == 512

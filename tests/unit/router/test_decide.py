@@ -1,0 +1,63 @@
+"""``RoutingCore`` talks to the registry only through ``CacheRegistry``: the in-process one
+answers at once, so decisions on it never interleave (each sees the speculative entries of the
+ones before it), and a registry handed in is the one every call goes to."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from prefixmesh.cache_registry.factory import make_hasher, make_memory_state, make_registry
+from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.router.decide import Candidate, RoutingCore
+from prefixmesh.router.local_state import LocalRouterState
+from prefixmesh.wire import GenerateRequest, ReplicaReport, SamplingSettings
+
+REPLICAS = [ReplicaId(f"r{i}") for i in range(4)]
+CANDIDATES = [Candidate(r, ReplicaReport()) for r in REPLICAS]
+DOCUMENT = list(range(5000, 5000 + 6 * 128))  # 6 blocks
+
+
+def config() -> PrefixmeshConfig:
+    # No claims: what a sibling finds is the first decision's speculative entry alone.
+    return load_config(
+        overrides=[
+            f"app_name=decide-{uuid.uuid4().hex[:8]}",
+            "routing.prefixmesh.hold_claims=false",
+        ]
+    )
+
+
+def request(config: PrefixmeshConfig, question: int) -> GenerateRequest:
+    ids = [*DOCUMENT, 7, question]
+    key = make_hasher(config).hash_tokens(ids)
+    return GenerateRequest(
+        f"cmpl-{uuid.uuid4().hex}", tuple(ids), key.block_hashes, SamplingSettings(8)
+    )
+
+
+async def test_in_process_decisions_run_through_one_at_a_time() -> None:
+    cfg = config()
+    core = RoutingCore(cfg, LocalRouterState(make_memory_state(cfg)))
+    first, sibling = request(cfg, 1), request(cfg, 2)
+    # Started together, as Serve's scheduling tasks do: the first finishes (its speculative
+    # entry written) before the second looks.
+    a, b = await asyncio.gather(core.decide(first, CANDIDATES), core.decide(sibling, CANDIDATES))
+    assert a.matched_blocks == 0
+    assert b.chosen == a.chosen and b.matched_blocks == len(DOCUMENT) // 128
+
+
+async def test_every_call_goes_to_the_registry_it_was_given() -> None:
+    cfg = config()
+    local = LocalRouterState(make_memory_state(cfg))
+    elsewhere = make_memory_state(cfg)
+    core = RoutingCore(cfg, local, registry=make_registry(cfg, elsewhere))
+    routed = await core.decide(request(cfg, 3), CANDIDATES)
+    await core.settle()
+    key = make_hasher(cfg).hash_tokens(DOCUMENT)
+    assert elsewhere.lookup(key, REPLICAS)[routed.chosen].num_blocks == 6
+    assert local.registry.lookup(key, REPLICAS) == {}
+    core.forget(routed.chosen)
+    await core.settle()
+    assert elsewhere.lookup(key, REPLICAS) == {}

@@ -1,0 +1,87 @@
+"""A replica's report as the router weighs it: one rule per router kind for adding its own
+ledger, the configured capacity until the replica reports one, reports converted once each and
+applied to the ledger once each, and the simulator's fleet through the same conversion."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from prefixmesh.cache_registry.factory import make_memory_state
+from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.config import load_config
+from prefixmesh.loadtest.fleet import SimReplica, report
+from prefixmesh.replica.model.profile import H100_LLAMA8B
+from prefixmesh.router.ledger import LedgerLoad
+from prefixmesh.router.local_state import LocalRouterState
+from prefixmesh.router.policy.base import ReplicaSnapshot
+from prefixmesh.router.replica_load import (
+    larger_of,
+    ledger_only,
+    load_rule,
+    report_plus_ledger,
+    snapshot_of,
+)
+from prefixmesh.wire import ReplicaCapacity, ReplicaReport
+
+R = ReplicaId("r1")
+ASSUMED = ReplicaCapacity(1000.0, 0.05, 512, 1)
+OWN = ReplicaCapacity(8000.0, 0.02, 2048, 400, 2)
+REPORT = ReplicaReport(3, 1, 900, kv_usage=0.5, capacity=OWN)
+LEDGER = LedgerLoad(1, 2, 100)
+
+
+def test_each_router_kind_adds_its_ledger_its_own_way() -> None:
+    assert load_rule(direct=True, sole_router=True) is report_plus_ledger
+    assert load_rule(direct=False, sole_router=True) is ledger_only
+    assert load_rule(direct=False, sole_router=False) is larger_of
+    assert report_plus_ledger(REPORT, LEDGER) == LedgerLoad(4, 3, 1000)
+    assert ledger_only(REPORT, LEDGER) == LEDGER
+    assert larger_of(REPORT, LEDGER) == LedgerLoad(3, 2, 900)
+
+
+def test_a_snapshot_takes_the_reported_capacity_else_the_assumed_one() -> None:
+    snapshot = snapshot_of(R, REPORT, ASSUMED, LEDGER, larger_of)
+    assert snapshot == ReplicaSnapshot(R, OWN, 3, 2, 900, active_kv_blocks=200)
+    blind = snapshot_of(R, ReplicaReport(kv_usage=0.5), ASSUMED)
+    assert blind == ReplicaSnapshot(R, ASSUMED, 0, 0, 0, active_kv_blocks=0)
+
+
+def test_the_fleet_reports_through_the_same_conversion() -> None:
+    replica = SimReplica(2, replace(H100_LLAMA8B, kv_blocks=100))
+    load = replica.engine.load()
+    sent = report(load, replica.capacity)
+    assert sent.capacity == replica.capacity
+    assert replica.snapshot() == snapshot_of(replica.replica_id, sent, ASSUMED)
+    assert replica.snapshot().active_kv_blocks == load.active_kv_blocks
+
+
+def local() -> LocalRouterState:
+    return LocalRouterState(make_memory_state(load_config()))
+
+
+def test_serves_report_dicts_are_converted_once_each() -> None:
+    state = local()
+    stats: dict[str, Any] = {"queued_requests": 2, "seen_requests": ["a"]}
+    first = state.report(R, stats)
+    assert first == ReplicaReport(queued_requests=2, seen_requests=("a",))
+    assert state.report(R, stats) is first  # the same dict: no second conversion
+    newer = state.report(R, {**stats, "queued_requests": 3})  # Serve's next poll
+    assert newer is not first and newer.queued_requests == 3
+    assert state.report(R, None) == ReplicaReport()  # before the first report
+
+
+def test_each_report_drops_what_it_lists_once() -> None:
+    state = local()
+    state.ledger.routed("a", R, 100, now_s=0.0)
+    state.ledger.routed("b", R, 100, now_s=0.0)
+    listed = ReplicaReport(seen_requests=("a",))
+    state.apply_reports([(R, listed)], now_s=1.0, expiry_s=60.0)
+    assert len(state.ledger) == 1
+    # Routed again under the same id after the report: the same report must not drop it.
+    state.ledger.routed("a", R, 100, now_s=2.0)
+    state.apply_reports([(R, listed)], now_s=3.0, expiry_s=60.0)
+    assert len(state.ledger) == 2
+    # A report in its wire form (``replica_stats``) is read as well; old entries expire.
+    state.apply_reports([(R, {"seen_requests": ["a"]})], now_s=61.0, expiry_s=60.0)
+    assert len(state.ledger) == 0
