@@ -19,10 +19,14 @@ from prefixmesh import tracing
 from prefixmesh.cache_registry.factory import make_hasher, make_registry
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.metrics.ray_sink import serve_replica_sink
+from prefixmesh.metrics.runtime import RuntimeMetrics
+from prefixmesh.metrics.sink import PrometheusSink, Tee
 from prefixmesh.replica.coalesce import coalesced
 from prefixmesh.replica.engines.base import Engine, EngineRequest, HeldMirror
 from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
 from prefixmesh.replica.publisher import EventPublisher, EventTarget
+from prefixmesh.replica.runtime_watch import RuntimeWatch
 from prefixmesh.replica.spans import replica_trace
 from prefixmesh.wire import (
     GenerateChunk,
@@ -127,6 +131,7 @@ class ReplicaServer:
     """The body of the Serve deployment (``prefixmesh.app`` wraps it with @serve.deployment)."""
 
     _registry: Any = None  # a server built without __init__ (unit tests) has none
+    runtime: RuntimeWatch | None = None
 
     async def __init__(self, config_json: str, model_path: str, ingress_name: str) -> None:
         from ray import serve
@@ -164,6 +169,13 @@ class ReplicaServer:
         )
         await self.engine.start()
         self.publisher.start()
+        self.runtime_metrics = PrometheusSink()
+        """GC pauses, loop lag and the engine's token intervals: this replica's own text (the
+        direct path's /metrics) and the cluster view."""
+        self.runtime = RuntimeWatch(
+            self.engine, RuntimeMetrics(Tee(self.runtime_metrics, serve_replica_sink()))
+        )
+        self.runtime.start()
         self._prefill_tokens: dict[str, int] = {}
         self._running: set[str] = set()
         self._finished: deque[str] = deque(maxlen=FINISHED_IDS_KEPT)
@@ -280,6 +292,8 @@ class ReplicaServer:
             raise RuntimeError(f"replica {self.replica_id}: its engine is not healthy")
 
     async def shutdown(self) -> None:
+        if self.runtime is not None:
+            await self.runtime.stop()
         await self.publisher.stop()  # no heartbeat may race the final flush or the drop
         await self.publisher.flush()
         if self._registry is not None:

@@ -21,6 +21,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from prefixmesh.cache_registry.types import BlockHash
+from prefixmesh.metrics.runtime import RuntimeMetrics
+from prefixmesh.metrics.sink import PrometheusSink
 from prefixmesh.replica.engines.base import BlockChange, Engine, EngineChunk, EngineRequest
 from prefixmesh.replica.engines.remote_engine import (
     decode_request,
@@ -28,6 +30,7 @@ from prefixmesh.replica.engines.remote_engine import (
     encode_chunk,
     encode_load,
 )
+from prefixmesh.replica.runtime_watch import RuntimeWatch
 
 LOAD_INTERVAL_S = 0.25
 """How often the cache-event stream carries the engine's load when nothing else happens."""
@@ -75,6 +78,8 @@ class EngineHost:
         self.engine: Engine | None = None
         self.counters = Counters()
         self._subscribers: set[_Subscriber] = set()
+        self._runtime: RuntimeWatch | None = None
+        self._runtime_text = PrometheusSink()
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine
@@ -84,6 +89,17 @@ class EngineHost:
         if self.engine is None:
             raise RuntimeError("no engine attached")
         return self.engine
+
+    def watch_runtime(self) -> None:
+        """Once the engine has started: GC pauses, loop lag and the engine's token intervals
+        (in ``/metrics``); the startup heap frozen out of garbage collection."""
+        self._runtime = RuntimeWatch(self.live_engine, RuntimeMetrics(self._runtime_text))
+        self._runtime.start()
+
+    async def stop_watching(self) -> None:
+        if self._runtime is not None:
+            await self._runtime.stop()
+            self._runtime = None
 
     # ---- cache events --------------------------------------------------------------------------
 
@@ -223,7 +239,9 @@ class EngineHost:
         ]
         for name, kind, labels, value in samples:
             lines += [f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
-        return "\n".join(lines) + "\n"
+        if self._runtime is not None:
+            self._runtime.drain()
+        return "\n".join(lines) + "\n" + self._runtime_text.render()
 
     def sglang_load(self) -> list[dict[str, Any]]:
         engine = self.live_engine

@@ -101,7 +101,10 @@ class ReplicaHTTPServer(ReplicaServer):
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        return PlainTextResponse(self._metrics.render(), media_type="text/plain; version=0.0.4")
+        if self.runtime is not None:
+            self.runtime.drain()  # the engine's latest token intervals, not a second old
+        text = self._metrics.render(self.runtime_metrics.registry)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # ---- generation ------------------------------------------------------------------------
 

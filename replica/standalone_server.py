@@ -254,10 +254,12 @@ def build_app(service: ReplicaService) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await host.live_engine.start()
+        host.watch_runtime()
         logger.info("replica %s ready (%s engine)", service.replica_id, service.engine_kind)
         try:
             yield
         finally:
+            await host.stop_watching()
             await host.live_engine.shutdown()
 
     app = FastAPI(title="prefixmesh replica", docs_url=None, redoc_url=None, lifespan=lifespan)

@@ -6,7 +6,8 @@ blocks are computed from the same tokens; the ingress also detokenizes what come
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -62,6 +63,22 @@ class BlockChange:
 CacheChangeSink = Callable[[Sequence[BlockChange]], None]
 
 
+class TokenIntervals:
+    """The engine's own intervals between a request's consecutive output tokens, kept until
+    someone takes them (bounded: nobody reading them costs at most ``limit`` floats)."""
+
+    def __init__(self, limit: int = 16_384) -> None:
+        self._intervals: deque[float] = deque(maxlen=limit)
+
+    def add(self, intervals: Iterable[float]) -> None:
+        self._intervals.extend(intervals)
+
+    def take(self) -> tuple[float, ...]:
+        taken = tuple(self._intervals)
+        self._intervals.clear()
+        return taken
+
+
 class Engine(Protocol):
     kv_blocks: int
     """Engine-tier KV capacity in blocks (known after ``start``)."""
@@ -82,6 +99,11 @@ class Engine(Protocol):
 
     def held_blocks(self) -> tuple[BlockHash, ...]:
         """Every engine-tier block held now (for a resync snapshot)."""
+        ...
+
+    def take_token_intervals(self) -> tuple[float, ...]:
+        """Seconds between consecutive output tokens of each request, as the engine timed them,
+        since the last call (what a stream's gaps are measured against)."""
         ...
 
     async def reset_prefix_cache(self) -> bool: ...

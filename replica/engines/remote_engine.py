@@ -278,6 +278,9 @@ class RemoteEngine:
     def load(self) -> EngineLoad:
         return self._load
 
+    def take_token_intervals(self) -> tuple[float, ...]:
+        return ()  # the remote server's engine times its own tokens; they are not sent here
+
     def held_blocks(self) -> tuple[BlockHash, ...]:
         return self._mirror.blocks()
 

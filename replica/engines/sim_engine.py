@@ -22,6 +22,7 @@ from prefixmesh.replica.engines.base import (
     EngineChunk,
     EngineLoad,
     EngineRequest,
+    TokenIntervals,
 )
 from prefixmesh.replica.model.engine import CacheChanged, EngineModel, Finished, FirstToken
 from prefixmesh.replica.model.engine import EngineRequest as ModelRequest
@@ -72,6 +73,7 @@ class SimEngine:
         self._driver: asyncio.Task[None] | None = None
         self._queries = 0
         self._hits = 0
+        self._intervals = TokenIntervals()
 
     def _now(self) -> float:
         """Model time: wall seconds since start, divided by the time scale."""
@@ -130,6 +132,7 @@ class SimEngine:
             record = self.model.record(rid)
             cached = record.cached_tokens if record is not None else stream.cached_tokens
             decode_wait_s = self.model.profile.step_overhead_s * self._scale
+            last_token_s: float | None = None
             while True:
                 produced = (
                     output_tokens
@@ -137,6 +140,12 @@ class SimEngine:
                     else (self.model.generated_tokens(rid, self._now()))
                 )
                 if produced > sent or stream.finished:
+                    now_s = time.monotonic()
+                    if last_token_s is not None and produced > sent:
+                        # Tokens that arrive together share the interval since the last ones.
+                        share = (now_s - last_token_s) / (produced - sent)
+                        self._intervals.add([share] * (produced - sent))
+                    last_token_s = now_s
                     ids = tuple(
                         _FIRST_TOKEN_ID + (sent + i) % _TOKEN_ID_SPAN
                         for i in range(produced - sent)
@@ -185,6 +194,9 @@ class SimEngine:
             prefix_cache_queries_tokens=self._queries,
             prefix_cache_hit_tokens=self._hits,
         )
+
+    def take_token_intervals(self) -> tuple[float, ...]:
+        return self._intervals.take()
 
     def held_blocks(self) -> tuple[BlockHash, ...]:
         return tuple(self.model.cache.cached_blocks())

@@ -23,6 +23,7 @@ from prefixmesh.replica.engines.base import (
     EngineChunk,
     EngineLoad,
     EngineRequest,
+    TokenIntervals,
 )
 from prefixmesh.replica.kv_events import VllmEventStream, VllmEventTranslator
 
@@ -52,12 +53,15 @@ class VllmEngineSettings:
 
 
 class _StatsCapture:
-    """A vLLM stat logger that keeps the latest scheduler stats for routing."""
+    """What a vLLM stat logger hands over: the latest scheduler stats for routing, and the
+    engine core's own token intervals."""
 
-    latest: Any = None
-    queries = 0
-    hits = 0
-    external_hits = 0
+    def __init__(self) -> None:
+        self.latest: Any = None
+        self.queries = 0
+        self.hits = 0
+        self.external_hits = 0
+        self.intervals = TokenIntervals()
 
 
 def _stat_logger_factory(capture: _StatsCapture) -> Any:
@@ -68,6 +72,9 @@ def _stat_logger_factory(capture: _StatsCapture) -> Any:
             pass
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+            if iteration_stats is not None:
+                # Engine-core timestamps of consecutive tokens of each running request.
+                capture.intervals.add(iteration_stats.inter_token_latencies_iter)
             if scheduler_stats is not None:
                 capture.latest = scheduler_stats
                 stats = scheduler_stats.prefix_cache_stats
@@ -260,6 +267,9 @@ class VllmEngine:
             external_prefix_cache_hit_tokens=self._stats.external_hits,
             event_gaps=self._events.gaps,
         )
+
+    def take_token_intervals(self) -> tuple[float, ...]:
+        return self._stats.intervals.take()
 
     def held_blocks(self) -> tuple[BlockHash, ...]:
         return self._events.translator.held_blocks()
