@@ -55,6 +55,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixmesh.loadtest.cache_sim_cli",
         "replay a trace or workload through the hierarchical cache policies: hit rate, writes",
     ),
+    "stream-bench": (
+        "prefixmesh.loadtest.bench.stream",
+        "streamed completions: client-side gaps between events next to the engine's own",
+    ),
     "replica-server": (
         "prefixmesh.replica.standalone_server",
         "one replica's engine (sim or vllm) behind the OpenAI API on 127.0.0.1",
