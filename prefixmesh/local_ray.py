@@ -85,6 +85,14 @@ def stop_haproxy(run_dir: Path) -> list[int]:
     return stopped
 
 
+def haproxy_metrics_url() -> str | None:
+    """HAProxy's Prometheus exporter on this node, as ``configure_environment`` set it up (Ray
+    binds it on all interfaces; scrape it on loopback); None when HAProxy is not configured."""
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return None
+    return f"http://127.0.0.1:{os.environ['RAY_SERVE_HAPROXY_METRICS_PORT']}/metrics"
+
+
 def service_discovery(targets: list[str]) -> str:
     """Prometheus file-based service discovery of Ray's metrics agents, in the shape (and
     ``job`` label) Ray's dashboard writes."""

@@ -46,6 +46,7 @@ def test_the_agent_shows_the_router_and_each_replica_summing_to_what_was_sent(
     from ray import serve
 
     from prefixmesh.app import REPLICA_NAME, ROUTER_NAME
+    from prefixmesh.local_ray import haproxy_metrics_url
     from prefixmesh.metrics.ray_sink import node_metrics_urls
     from prefixmesh.wire.openai_render import REPLICA_HEADER
 
@@ -96,3 +97,10 @@ def test_the_agent_shows_the_router_and_each_replica_summing_to_what_was_sent(
     assert len(routers) == 1 and not set(routers) & set(replicas)
     ttft = labelled(text, "ray_prefixmesh_ttft_seconds_count", application=APP)
     assert ttft == dict(served)  # every request's first token, on the replica that served it
+    # HAProxy's own exporter (docs/metrics.md): its frontend counted the requests too.
+    haproxy = haproxy_metrics_url()
+    assert haproxy is not None
+    frontend = labelled_all(
+        httpx.get(haproxy, timeout=10).text, "haproxy_frontend_http_requests_total"
+    )
+    assert sum(frontend) >= sum(served.values())
