@@ -27,6 +27,7 @@ from prefixmesh.loadtest.sse import StreamResult, read_stream
 ENGINE_INTERVAL = "prefixmesh_engine_token_interval_seconds"
 GC_PAUSE = "prefixmesh_gc_pause_seconds"
 LOOP_LAG = "prefixmesh_event_loop_lag_seconds"
+TTFT = "prefixmesh_ttft_seconds"
 RAY_PREFIX = "ray_"  # the same metrics through Ray's metrics agent
 
 MAX_GAP_TARGET_S = 0.150
@@ -142,13 +143,16 @@ class ServerSide:
     gc_pauses_over_50ms: int
     gc_pause_max_bucket_s: float | None
     loop_lag_over_50ms: int
+    ttft_p50_s: float | None = None
+    """The replicas' own TTFT histogram (from when the request entered the cluster), to set
+    against the client's."""
 
 
 def server_side(before: str, after: str) -> ServerSide:
     def delta(name: str) -> Buckets:
         return bucket_delta(histogram_buckets(before, name), histogram_buckets(after, name))
 
-    engine, gc, lag = delta(ENGINE_INTERVAL), delta(GC_PAUSE), delta(LOOP_LAG)
+    engine, gc, lag, ttft = delta(ENGINE_INTERVAL), delta(GC_PAUSE), delta(LOOP_LAG), delta(TTFT)
     return ServerSide(
         engine_intervals=bucket_count(engine),
         engine_interval_p50_s=bucket_quantile(engine, 0.5),
@@ -156,6 +160,7 @@ def server_side(before: str, after: str) -> ServerSide:
         gc_pauses_over_50ms=count_above(gc, 0.05),
         gc_pause_max_bucket_s=bucket_quantile(gc, 1.0),
         loop_lag_over_50ms=count_above(lag, 0.05),
+        ttft_p50_s=bucket_quantile(ttft, 0.5),
     )
 
 
@@ -310,7 +315,8 @@ def render(report: dict[str, object]) -> str:
         f"once, to {report['target']} ({client['failed']} failed)",
         f"client gaps: p50 {_ms(client['gap_p50_s'])}, p99 {_ms(client['gap_p99_s'])}, max "
         f"{_ms(client['gap_max_s'])}; {client['stalls']} stalls in "
-        f"{client['streams_with_stall']} streams; TTFT p50 {_ms(client['ttft_p50_s'])}",
+        f"{client['streams_with_stall']} streams; TTFT p50 {_ms(client['ttft_p50_s'])} (the "
+        f"replicas' own histogram: {_ms(server['ttft_p50_s'])})",
         f"engine token interval: p50 {_ms(server['engine_interval_p50_s'])}, p99 "
         f"{_ms(server['engine_interval_p99_s'])} ({server['engine_intervals']} intervals)",
         f"replicas: {server['gc_pauses_over_50ms']} GC pauses > 50 ms, "
