@@ -10,6 +10,7 @@ join vLLM's, which carry the same ``ReplicaId``. Values reach the agent every
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -93,9 +94,8 @@ class RaySink:
 def serve_replica_sink() -> MetricSink:
     """Ray's agent, labelled with this Serve replica, when called inside one; a ``NullSink``
     anywhere else (tests, CLIs, a driver), where no agent gathers the values."""
-    import ray
-
-    if not ray.is_initialized():
+    ray = sys.modules.get("ray")  # not imported: not a Ray worker (and no import just to ask)
+    if ray is None or not ray.is_initialized():
         return NullSink()
     from ray import serve
     from ray.serve.exceptions import RayServeException
@@ -111,8 +111,9 @@ def node_metrics_urls() -> list[str]:
     """Every live node's metrics endpoint (call from a connected driver)."""
     import ray
 
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
     return [
         f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-        for node in ray.nodes()
+        for node in nodes
         if node["Alive"]
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from prefixmesh.metrics.spec import CounterSpec, GaugeSpec, HistogramSpec
@@ -36,9 +37,8 @@ def cluster_stat_loggers() -> list[Any]:
     ``RayPrometheusStatLogger`` (it replaces vLLM's prometheus_client logger, and labels every
     series with the Serve replica's id, ``ReplicaId``); elsewhere none, and vLLM keeps its
     default logger."""
-    import ray
-
-    if not ray.is_initialized():
+    ray = sys.modules.get("ray")  # not imported: not a Ray worker
+    if ray is None or not ray.is_initialized():
         return []
     from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 

@@ -13,6 +13,7 @@ from prefixmesh.local_ray import SERVICE_DISCOVERY_FILE, write_service_discovery
 from prefixmesh.metrics.ray_sink import PROCESS_LABELS, RaySink, process_tags, serve_replica_sink
 from prefixmesh.metrics.sink import NullSink, PrometheusSink, Tee
 from prefixmesh.metrics.spec import CounterSpec, GaugeSpec, HistogramSpec, MetricSpec, ray_names
+from prefixmesh.metrics.vllm_export import cluster_stat_loggers
 from prefixmesh.router.metrics import ROUTER_METRICS, RouterMetrics
 from prefixmesh.wire.request_metrics import DIRECT_METRICS, REQUEST_METRICS, DirectMetrics
 
@@ -139,6 +140,7 @@ def test_ray_metrics_carry_the_process_labels_and_only_positive_buckets() -> Non
 
 def test_outside_a_serve_replica_the_cluster_view_gets_nothing() -> None:
     assert isinstance(serve_replica_sink(), NullSink)
+    assert cluster_stat_loggers() == []  # vLLM keeps its own prometheus_client logger
     NullSink().gauge(GAUGE).labels(replica="r", field="f").set(1)
 
 
