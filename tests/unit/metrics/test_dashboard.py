@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from prefixmesh.metrics.ray_sink import PROCESS_LABELS
+from prefixmesh.metrics.runtime import RUNTIME_METRICS
 from prefixmesh.metrics.spec import MetricSpec, ray_names
 from prefixmesh.metrics.vllm_export import VLLM_METRICS
 from prefixmesh.router.metrics import ROUTER_METRICS
@@ -18,7 +19,12 @@ from prefixmesh.wire.request_metrics import DIRECT_METRICS, REQUEST_METRICS
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "manifests" / "grafana" / "prefixmesh.json"
-OURS: tuple[MetricSpec, ...] = (*ROUTER_METRICS, *REQUEST_METRICS, *DIRECT_METRICS)
+OURS: tuple[MetricSpec, ...] = (
+    *ROUTER_METRICS,
+    *REQUEST_METRICS,
+    *DIRECT_METRICS,
+    *RUNTIME_METRICS,
+)
 EXPORTED = {name for spec in (*OURS, *VLLM_METRICS) for name in ray_names(spec)}
 LABELS = {"le", *PROCESS_LABELS} | {
     label for spec in (*OURS, *VLLM_METRICS) for label in spec.labels
