@@ -194,19 +194,18 @@ class ReplicaServer:
         output_tokens = 0
         finish_reason: str | None = None
         inflight = self.holds.inflight
+        key = request.key
         try:
             hold = self.holds.hold_for(
                 request.hold,
-                request.block_hashes,
-                lambda: self._resident.leading(request.block_hashes),
+                key,
+                lambda: self._resident.leading(key.block_hashes),
                 self._prefill_rate,
             )
             if hold is not None:
-                held_s = await self.holds.wait(
-                    hold, request.block_hashes, from_router=request.hold is not None
-                )
+                held_s = await self.holds.wait(hold, key, from_router=request.hold is not None)
             trace.queued(hold, held_s)
-            inflight.started(rid, request.block_hashes, len(request.prompt_token_ids))
+            inflight.started(rid, key, len(request.prompt_token_ids))
             engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling)
             stream = self.engine.generate(engine_request)
             if self._coalesce:

@@ -10,8 +10,9 @@ A router's hold can arrive before the request it waits for (two ingresses, two h
 nothing orders them), so a held request that finds no covering prefill waits a short arrival
 grace for one to start. The replica also holds on its own (``own_hold``): vLLM does not
 deduplicate a prefix two requests in one batch compute. ``ReplicaHolds`` is what the replica
-deployment uses: the hold each request waits under, and the wait. The router's side of holds is
-``router/holds.py``.
+deployment uses: the hold each request waits under, and the wait. A request and a prefill are
+named by the prompt's ``PrefixKey``; only ``shared_blocks`` works on the bare hash chains. The
+router's side of holds is ``router/holds.py``.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prefixmesh.cache_registry.types import BlockHash
+from prefixmesh.cache_registry.types import BlockHash, PrefixKey
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.wire import HoldInstruction
 
 
 @dataclass
 class _Prefill:
-    block_hashes: tuple[BlockHash, ...]
+    key: PrefixKey
     prompt_tokens: int = 0
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -55,10 +56,8 @@ class InflightPrefills:
         self.holds = 0
         self.hold_timeouts = 0
 
-    def started(
-        self, request_id: str, block_hashes: tuple[BlockHash, ...], prompt_tokens: int = 0
-    ) -> None:
-        self._prefills[request_id] = _Prefill(block_hashes, prompt_tokens)
+    def started(self, request_id: str, key: PrefixKey, prompt_tokens: int = 0) -> None:
+        self._prefills[request_id] = _Prefill(key, prompt_tokens)
         arrival, self._arrival = self._arrival, asyncio.Event()
         arrival.set()
 
@@ -68,31 +67,30 @@ class InflightPrefills:
         if prefill is not None:
             prefill.done.set()
 
-    def covering(self, block_hashes: tuple[BlockHash, ...], num_blocks: int) -> _Prefill | None:
+    def covering(self, key: PrefixKey, num_blocks: int) -> _Prefill | None:
         """A prefill in progress whose first ``num_blocks`` blocks equal this request's (the
         chain makes equal hashes at position n-1 mean equal prefixes)."""
-        if num_blocks <= 0 or num_blocks > len(block_hashes):
+        if num_blocks <= 0 or num_blocks > len(key):
             return None
-        target = block_hashes[num_blocks - 1]
+        target = key.block_hashes[num_blocks - 1]
         for prefill in self._prefills.values():
-            if len(prefill.block_hashes) >= num_blocks and (
-                prefill.block_hashes[num_blocks - 1] == target
-            ):
+            theirs = prefill.key.block_hashes
+            if len(theirs) >= num_blocks and theirs[num_blocks - 1] == target:
                 return prefill
         return None
 
-    def longest_shared(self, block_hashes: tuple[BlockHash, ...]) -> tuple[_Prefill, int] | None:
+    def longest_shared(self, key: PrefixKey) -> tuple[_Prefill, int] | None:
         """The prefill in progress sharing the most leading blocks with this request."""
         best: tuple[_Prefill, int] | None = None
         for prefill in self._prefills.values():
-            shared = shared_blocks(prefill.block_hashes, block_hashes)
+            shared = shared_blocks(prefill.key.block_hashes, key.block_hashes)
             if shared and (best is None or shared > best[1]):
                 best = (prefill, shared)
         return best
 
     async def wait(
         self,
-        block_hashes: tuple[BlockHash, ...],
+        key: PrefixKey,
         num_blocks: int,
         max_wait_s: float,
         arrival_grace_s: float = 0.0,
@@ -103,13 +101,13 @@ class InflightPrefills:
         for one to start first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max_wait_s
-        prefill = self.covering(block_hashes, num_blocks)
+        prefill = self.covering(key, num_blocks)
         if prefill is None and arrival_grace_s > 0:
             grace_end = loop.time() + min(arrival_grace_s, max_wait_s)
             while prefill is None and (left := grace_end - loop.time()) > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._arrival.wait(), left)
-                prefill = self.covering(block_hashes, num_blocks)
+                prefill = self.covering(key, num_blocks)
         if prefill is None:
             return False
         self.holds += 1
@@ -125,7 +123,7 @@ class InflightPrefills:
 
 def own_hold(
     inflight: InflightPrefills,
-    block_hashes: tuple[BlockHash, ...],
+    key: PrefixKey,
     resident_blocks: int,
     min_blocks: int,
     prefill_tokens_per_s: float,
@@ -137,7 +135,7 @@ def own_hold(
     Only blocks the engine does not hold yet are worth waiting for: ``resident_blocks`` of the
     request's chain are cached here already, and a prefill that shares no more than those
     (another question on a cached document) computes nothing this request needs."""
-    found = inflight.longest_shared(block_hashes)
+    found = inflight.longest_shared(key)
     if found is None:
         return None
     prefill, shared = found
@@ -195,13 +193,13 @@ class ReplicaHolds:
     def hold_for(
         self,
         router_hold: HoldInstruction | None,
-        block_hashes: tuple[BlockHash, ...],
+        key: PrefixKey,
         resident_blocks: Callable[[], int],
         prefill_tokens_per_s: Callable[[], float],
     ) -> HoldInstruction | None:
-        """The hold a request waits under, if any. ``resident_blocks``: leading blocks of its
-        chain the engine holds; ``prefill_tokens_per_s``: the engine's rate (both asked only
-        when there is something to wait for)."""
+        """The hold a request (its prompt's ``key``) waits under, if any. ``resident_blocks``:
+        leading blocks of its key the engine holds; ``prefill_tokens_per_s``: the engine's rate
+        (both asked only when there is something to wait for)."""
         own_holds = self.settings.own_holds
         if router_hold is None and not (own_holds and len(self.inflight)):
             return None  # the common case: nothing to wait for, no walk over the cache
@@ -209,15 +207,13 @@ class ReplicaHolds:
         own = None
         if own_holds:
             rate = prefill_tokens_per_s()
-            own = own_hold(self.inflight, block_hashes, resident, self.settings.min_blocks, rate)
+            own = own_hold(self.inflight, key, resident, self.settings.min_blocks, rate)
         return combined_hold(router_hold, own, resident)
 
-    async def wait(
-        self, hold: HoldInstruction, block_hashes: tuple[BlockHash, ...], from_router: bool
-    ) -> float:
+    async def wait(self, hold: HoldInstruction, key: PrefixKey, from_router: bool) -> float:
         """Wait out ``hold``; the seconds it took. Only a router's hold may arrive before the
         request it waits for: it alone gets the arrival grace."""
         started = time.monotonic()
         grace_s = self.settings.arrival_grace_s if from_router else 0.0
-        await self.inflight.wait(block_hashes, hold.num_blocks, hold.max_wait_s, grace_s)
+        await self.inflight.wait(key, hold.num_blocks, hold.max_wait_s, grace_s)
         return time.monotonic() - started

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 
 from prefixmesh.cache_registry.factory import make_hasher
+from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.replica.deployment import ReplicaServer
 from prefixmesh.wire import GenerateChunk, GenerateRequest
 from prefixmesh.wire.generation import Generation
@@ -143,7 +144,7 @@ class ReplicaHTTPServer(ReplicaServer):
             len(ids), max_tokens, self._max_model_len, self._encoder.eos_token_id
         )
         key = self._hasher.hash_tokens(ids)
-        generate = self._request(ticket, chat, tuple(ids), key.block_hashes, sampling)
+        generate = self._request(ticket, chat, tuple(ids), key, sampling)
         # TTFT counts from when the request entered the cluster (the router's clock).
         entered_ns = ticket.arrived_ns if ticket is not None and ticket.arrived_ns else received_ns
         started_s = time.monotonic() - max(0, time.time_ns() - entered_ns) / 1e9
@@ -199,14 +200,14 @@ class ReplicaHTTPServer(ReplicaServer):
         ticket: RouteTicket | None,
         chat: bool,
         ids: tuple[int, ...],
-        block_hashes: tuple[int, ...],
+        key: PrefixKey,
         sampling: Any,
     ) -> GenerateRequest:
         """The engine request, with the router's decision when it was made for this replica."""
         if ticket is None:
             self._metrics.unrouted.inc()
-            return GenerateRequest(new_request_id(chat), ids, block_hashes, sampling)
-        if ticket.key_digest and ticket.key_digest != key_digest(block_hashes):
+            return GenerateRequest(new_request_id(chat), ids, key, sampling)
+        if ticket.key_digest and ticket.key_digest != key_digest(key):
             self._metrics.key_mismatches.inc()
             logger.warning("request %s: the router keyed another prompt", ticket.request_id)
         mine = ticket.replica_id == self.replica_id
@@ -215,12 +216,11 @@ class ReplicaHTTPServer(ReplicaServer):
         return GenerateRequest(
             ticket.request_id,
             ids,
-            block_hashes,
+            key,
             sampling,
-            # A hold or claim was meant for the replica the router chose, not for this one.
+            # A hold was meant for the replica the router chose, not for this one.
             hold=ticket.hold if mine else None,
             routed_by=ticket.reason,
-            claim=ticket.claim if mine else None,
             routed_to=ticket.replica_id,
             matched_blocks=ticket.matched_blocks if mine else 0,
             trace_context=dict(ticket.trace_context) if ticket.trace_context else None,

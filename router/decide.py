@@ -143,9 +143,7 @@ class RoutingCore:
         """Route ``request`` among ``candidates`` (at least one)."""
         started = time.perf_counter()
         ids = [candidate.replica_id for candidate in candidates]
-        key = PrefixKey(
-            tuple(BlockHash(h) for h in request.block_hashes), self.config.cache.block_size
-        )
+        key = request.key
         route = RouteRequest(
             request.request_id, key, len(request.prompt_token_ids), request.sampling.max_tokens
         )

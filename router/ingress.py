@@ -173,7 +173,7 @@ class IngressServer:
         )
         key = self._hasher.hash_tokens(ids)
         generate = GenerateRequest(
-            request_id, tuple(ids), key.block_hashes, sampling, trace_context=trace.carrier
+            request_id, tuple(ids), key, sampling, trace_context=trace.carrier
         )
         stop = body.stop_strings()
         started_s = time.monotonic()

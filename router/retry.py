@@ -61,15 +61,14 @@ def retry_request(
     trace_context: dict[str, str] | None,
 ) -> GenerateRequest:
     """The request to send again: a new id, the replicas to avoid, and nothing the request
-    router wrote into the failed attempt (it writes its decision into the request: a hold or a
-    claim there would bind the retry to the failed replica's prefill)."""
+    router wrote into the failed attempt (it writes its decision into the request: a hold
+    there would bind the retry to the failed replica's prefill)."""
     return dataclasses.replace(
         original,
         request_id=f"{original.request_id}-retry{attempt}",
         avoid_replicas=avoid,
         hold=None,
         routed_by="",
-        claim=None,
         routed_to="",
         matched_blocks=0,
         trace_context=trace_context,

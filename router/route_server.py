@@ -6,6 +6,8 @@ headers (``wire/route_ticket.py``). Here the body is validated, templated, token
 and the replica handle's request router (ours, ``serve_router.py``: registry lookup, policy,
 claims, speculative entries) picks the replica without dispatching anything
 (``choose_replica(..., _reserve=False)``). The replica serves and streams the response itself.
+A claim the decision took stays here: this router's ledger releases it when a replica's report
+lists the request (``router/holds.py``).
 
 HAProxy answers the client 503 when a routing call errs or outlasts
 ``serving.router_timeout_s``, so this never errs and answers within ``route_budget_share`` of
@@ -100,7 +102,7 @@ class RouterServer:
         except APIError:
             return None
         key = self._hasher.hash_tokens(ids)
-        return GenerateRequest(new_request_id(chat), tuple(ids), key.block_hashes, sampling)
+        return GenerateRequest(new_request_id(chat), tuple(ids), key, sampling)
 
     async def _choose(self, generate: GenerateRequest | None, arrived_ns: int) -> Response:
         target: Any = generate if generate is not None else LoadBalanced()
@@ -117,10 +119,9 @@ class RouterServer:
             replica_id=unique_id,
             reason=generate.routed_by,
             matched_blocks=generate.matched_blocks,
-            key_digest=key_digest(generate.block_hashes),
+            key_digest=key_digest(generate.key),
             arrived_ns=arrived_ns,
             hold=generate.hold if generate.routed_to == unique_id else None,
-            claim=generate.claim if generate.routed_to == unique_id else None,
             trace_context=generate.trace_context,
         )
         return JSONResponse({"replica_id": full_id, "request_headers": ticket.headers()})

@@ -167,12 +167,12 @@ class PrefixmeshRequestRouter(RequestRouter):
 def _carry(request: GenerateRequest, routed: Routed) -> None:
     """The proxy path's one hand-off: the decision rides on the handle call's argument, the
     only thing that reaches the replica (a decision made again for the same request, when
-    Serve retries routing, replaces it)."""
+    Serve retries routing, replaces it). A claim stays with the router: its ledger releases
+    it at the first token or the end."""
     request.hold = routed.hold
     request.routed_by = routed.reason
     request.routed_to = routed.chosen
     request.matched_blocks = routed.matched_blocks
-    request.claim = routed.claim
 
 
 def _generate_request(pending: PendingRequest | None) -> GenerateRequest | None:

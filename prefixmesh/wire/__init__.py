@@ -6,13 +6,15 @@ Both packages import this package and never each other. On the proxy path the re
 reads a ``GenerateRequest`` as the first argument of a replica call and sets its ``hold`` and what
 it decided (``routed_to``, ``matched_blocks``); the ingress reads those back (same object, same
 process) for retries and response headers. On the direct path the decision travels to the
-replica as trusted headers (``route_ticket``).
+replica as trusted headers (``route_ticket``). A request carries its prompt's ``PrefixKey`` as the
+hasher made it; a claim the router took never travels (its ledger releases it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.wire.replica_report import ReplicaCapacity as ReplicaCapacity
 from prefixmesh.wire.replica_report import ReplicaCounters as ReplicaCounters
 from prefixmesh.wire.replica_report import ReplicaReport as ReplicaReport
@@ -41,18 +43,14 @@ class HoldInstruction:
 class GenerateRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    block_hashes: tuple[int, ...]
-    """The router's keys of the prompt's full blocks (what the replica publishes, too)."""
+    key: PrefixKey
+    """The chained hashes of the prompt's full blocks, as the hasher made them (what the
+    replica publishes, too)."""
     sampling: SamplingSettings
     hold: HoldInstruction | None = None
     """Set by the request router when it routes the request."""
     routed_by: str = ""
     """The routing decision's reason, for metrics."""
-    claim: int | None = None
-    """Set by the request router: the prefix (a block hash) it claimed in the registry as in
-    flight on the chosen replica (delay-hit holds across routers: siblings routed meanwhile,
-    from any router, wait there). The router that claimed it releases it (its ledger); the
-    replica only carries it."""
     avoid_replicas: tuple[str, ...] = ()
     """Replicas a retry must not go back to (they failed this request); the request router
     ignores it when it would leave no candidate."""

@@ -6,19 +6,21 @@ under ``TRUSTED_PREFIX`` are Ray's router-owned namespace: HAProxy deletes clien
 before the router is asked, so what the replica reads there came from the router.
 
 The ticket carries what the replica cannot know by itself (the router's request id, the replica
-it chose, matched blocks, hold, claim, when the request entered the cluster, trace context) and a
-digest of the prompt's block hashes, so the replica can check that it keyed the prompt as the
-router did (a mismatch means the two disagree on tokenizer or hashing, and routing is blind).
+it chose, matched blocks, hold, when the request entered the cluster, trace context) and a
+digest of the prompt's key, so the replica can check that it keyed the prompt as the router did
+(a mismatch means the two disagree on tokenizer or hashing, and routing is blind). A claim the
+router took is not on it: the router releases its claims itself (``router/holds.py``).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import xxhash
 
+from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.wire import HoldInstruction
 
 TRUSTED_PREFIX = "x-serve-router-"
@@ -28,9 +30,10 @@ _PREFIX = TRUSTED_PREFIX + "pm-"
 _TRACE_FIELDS = ("traceparent", "tracestate")
 
 
-def key_digest(block_hashes: Sequence[int]) -> str:
-    """A short digest of a prompt's block hashes (both sides compute it the same way)."""
-    packed = array("Q", [h & 0xFFFF_FFFF_FFFF_FFFF for h in block_hashes]).tobytes()
+def key_digest(key: PrefixKey) -> str:
+    """A short digest of a prompt's key: its block hashes (both sides compute it the same
+    way)."""
+    packed = array("Q", [h & 0xFFFF_FFFF_FFFF_FFFF for h in key.block_hashes]).tobytes()
     return xxhash.xxh64_hexdigest(packed)
 
 
@@ -45,7 +48,6 @@ class RouteTicket:
     arrived_ns: int
     """Wall-clock time the router received the request: TTFT is measured from there."""
     hold: HoldInstruction | None = None
-    claim: int | None = None
     trace_context: Mapping[str, str] | None = None
 
     def headers(self) -> dict[str, str]:
@@ -60,8 +62,6 @@ class RouteTicket:
         }
         if self.hold is not None:
             out[_PREFIX + "hold"] = f"{self.hold.num_blocks}:{self.hold.max_wait_s:.6f}"
-        if self.claim is not None:
-            out[_PREFIX + "claim"] = str(self.claim)
         for field in _TRACE_FIELDS:
             value = (self.trace_context or {}).get(field)
             if value:
@@ -81,7 +81,6 @@ class RouteTicket:
             if raw_hold:
                 blocks, wait_s = raw_hold.split(":", 1)
                 hold = HoldInstruction(int(blocks), float(wait_s))
-            raw_claim = headers.get(_PREFIX + "claim")
             trace = {f: headers[_PREFIX + f] for f in _TRACE_FIELDS if headers.get(_PREFIX + f)}
             return cls(
                 request_id=request_id,
@@ -91,7 +90,6 @@ class RouteTicket:
                 key_digest=headers.get(_PREFIX + "key-digest", ""),
                 arrived_ns=int(headers.get(_PREFIX + "arrived-ns", "0")),
                 hold=hold,
-                claim=int(raw_claim) if raw_claim else None,
                 trace_context=trace or None,
             )
         except ValueError:

@@ -14,6 +14,7 @@ import pytest
 from opentelemetry import trace
 
 from prefixmesh import tracing
+from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.config import TelemetryConfig
 from prefixmesh.wire import GenerateRequest, SamplingSettings
 
@@ -45,7 +46,7 @@ def test_before_setup_the_tracer_is_the_noop_one() -> None:
 def test_context_survives_a_pickled_generate_request() -> None:
     tracing.setup(MEMORY, "ingress")
     parent = tracing.tracer().start_span("prefixmesh.request")
-    request = GenerateRequest("r1", (1, 2, 3), (), SamplingSettings(4))
+    request = GenerateRequest("r1", (1, 2, 3), PrefixKey((), 16), SamplingSettings(4))
     request.trace_context = tracing.inject(parent)
     parent.end()
 

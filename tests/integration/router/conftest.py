@@ -68,9 +68,7 @@ class Cluster:
     def request(self, tokens: list[int], question: int) -> GenerateRequest:
         ids = [*tokens, 7, question, 7, question]
         key = make_hasher(self.config()).hash_tokens(ids)
-        return GenerateRequest(
-            f"cmpl-{uuid.uuid4().hex}", tuple(ids), key.block_hashes, SamplingSettings(16)
-        )
+        return GenerateRequest(f"cmpl-{uuid.uuid4().hex}", tuple(ids), key, SamplingSettings(16))
 
     async def publish_stored(
         self, replica: ReplicaId, block_hashes: tuple[int, ...], seq: int = 0

@@ -12,7 +12,6 @@ import asyncio
 
 import pytest
 
-from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.router.decide import Candidate
 from prefixmesh.router.holds import CLAIM_REASON
 from prefixmesh.wire import ReplicaReport
@@ -31,14 +30,14 @@ async def test_a_sibling_from_another_router_is_held_on_the_computing_replica(
     first, sibling = cluster.request(doc, 1), cluster.request(doc, 2)
     computing = await a.decide(first, CANDIDATES)
     assert computing.hold is None
-    assert computing.claim == first.block_hashes[HEAD_BLOCKS - 1]
+    assert computing.claim == first.key.block_hashes[HEAD_BLOCKS - 1]
     held = await b.decide(sibling, CANDIDATES)
     assert held.chosen == computing.chosen
     assert held.hold is not None and held.hold.max_wait_s > 0
     assert held.claim is None
     # The claim names the computing replica in Redis until it is released.
     registry = await cluster.client()
-    head = BlockHash(first.block_hashes[HEAD_BLOCKS - 1])
+    head = first.key.block_hashes[HEAD_BLOCKS - 1]
     assert await registry.inflight(head) == computing.chosen
     assert await registry.release_inflight(head, computing.chosen)
 
@@ -72,7 +71,7 @@ async def test_simultaneous_siblings_elect_one_computer(cluster: Cluster) -> Non
 async def test_an_expired_claim_frees_routing(cluster: Cluster) -> None:
     b = await cluster.router(2, DEADLINE)
     sibling = cluster.request(document(30), 2)
-    head = BlockHash(sibling.block_hashes[HEAD_BLOCKS - 1])
+    head = sibling.key.block_hashes[HEAD_BLOCKS - 1]
     registry = await cluster.client()
     # A router claimed the head for r3 and its request died before it could release it.
     assert await registry.claim_inflight(head, REPLICAS[3], 0.1) == REPLICAS[3]
@@ -90,7 +89,7 @@ async def test_the_router_that_claimed_releases_the_claim(cluster: Cluster) -> N
     registry = await cluster.client()
     for path in ("first_token", "report"):
         request = cluster.request(document(40 if path == "report" else 41), 1)
-        head = BlockHash(request.block_hashes[HEAD_BLOCKS - 1])
+        head = request.key.block_hashes[HEAD_BLOCKS - 1]
         computing = await a.decide(request, CANDIDATES)
         assert computing.claim == head and await registry.inflight(head) == computing.chosen
         if path == "first_token":

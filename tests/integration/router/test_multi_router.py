@@ -26,7 +26,7 @@ async def test_same_prefix_same_holder_from_every_router(cluster: Cluster) -> No
     a, b = await cluster.router(1, DEADLINE), await cluster.router(2, DEADLINE)
     doc = document(0, DOC_BLOCKS)
     holder = REPLICAS[3]
-    await cluster.publish_stored(holder, cluster.request(doc, 0).block_hashes[:DOC_BLOCKS])
+    await cluster.publish_stored(holder, cluster.request(doc, 0).key.block_hashes[:DOC_BLOCKS])
     for i in range(10):
         router = (a, b)[i % 2]
         request = cluster.request(doc, i)
@@ -43,7 +43,7 @@ async def test_a_hot_group_has_the_same_members_from_every_router(cluster: Clust
     hot = "routing.prefixmesh.affinity_min_requests=1"
     a, b = await cluster.router(1, DEADLINE, hot), await cluster.router(2, DEADLINE, hot)
     doc = document(1, DOC_BLOCKS)
-    key = cluster.request(doc, 0).block_hashes
+    key = cluster.request(doc, 0).key.block_hashes
     holder = REPLICAS[3]
     await cluster.publish_stored(holder, key[:DOC_BLOCKS])
     group = key[HEAD_BLOCKS - 1]
@@ -93,7 +93,7 @@ async def test_a_new_router_starts_from_redis(cluster: Cluster) -> None:
     """Events published before a router exists: its first decision routes on them."""
     doc = document(2, DOC_BLOCKS)
     holder = REPLICAS[2]
-    await cluster.publish_stored(holder, cluster.request(doc, 0).block_hashes[:DOC_BLOCKS])
+    await cluster.publish_stored(holder, cluster.request(doc, 0).key.block_hashes[:DOC_BLOCKS])
     late = await cluster.router(3, DEADLINE)
     request = cluster.request(doc, 1)
     decision = await late.decide(request, CANDIDATES)

@@ -15,9 +15,9 @@ from prefixmesh.replica.holds import (
 from prefixmesh.wire import HoldInstruction
 
 HASHER = BlockHasher(2, "m")
-LONG = HASHER.hash_tokens(list(range(12))).block_hashes  # 6 blocks
-SIBLING = HASHER.hash_tokens([*range(8), 99, 98, 97, 96]).block_hashes  # shares 4 blocks
-OTHER = HASHER.hash_tokens([5] * 12).block_hashes
+LONG = HASHER.hash_tokens(list(range(12)))  # 6 blocks
+SIBLING = HASHER.hash_tokens([*range(8), 99, 98, 97, 96])  # shares 4 blocks
+OTHER = HASHER.hash_tokens([5] * 12)
 
 
 def test_covering_matches_on_the_shared_head_only() -> None:
@@ -53,14 +53,14 @@ async def test_a_hold_is_bounded_and_nothing_to_wait_for_returns_at_once() -> No
 def test_shared_blocks_and_the_longest_prefill() -> None:
     from prefixmesh.replica.holds import shared_blocks
 
-    assert shared_blocks(LONG, SIBLING) == 4
-    assert shared_blocks(LONG, LONG) == 6
-    assert shared_blocks(LONG, OTHER) == 0
-    assert shared_blocks((), LONG) == 0
+    assert shared_blocks(LONG.block_hashes, SIBLING.block_hashes) == 4
+    assert shared_blocks(LONG.block_hashes, LONG.block_hashes) == 6
+    assert shared_blocks(LONG.block_hashes, OTHER.block_hashes) == 0
+    assert shared_blocks((), LONG.block_hashes) == 0
     inflight = InflightPrefills()
     assert inflight.longest_shared(SIBLING) is None
     inflight.started("a", LONG, 12)
-    inflight.started("b", SIBLING[:2], 4)
+    inflight.started("b", SIBLING.head(2), 4)
     found = inflight.longest_shared(SIBLING)
     assert found is not None and found[1] == 4 and found[0].prompt_tokens == 12
 
@@ -102,14 +102,15 @@ def test_the_router_hold_and_the_replica_hold_combine_to_the_longer_one() -> Non
 
 def test_the_resident_mirror_counts_the_held_head_of_a_chain() -> None:
     mirror = HeldMirror()
-    mirror.apply([BlockChange(EventKind.STORED, Tier.GPU, LONG[:3])])
-    assert mirror.leading(SIBLING) == 3 and mirror.leading(OTHER) == 0
-    mirror.apply([BlockChange(EventKind.REMOVED, Tier.GPU, (LONG[1],))])
-    assert mirror.leading(LONG) == 1  # a hole ends the run
-    mirror.apply([BlockChange(EventKind.STORED, Tier.CPU, LONG)])
-    assert mirror.leading(LONG) == 1  # only the engine tier counts
+    long = LONG.block_hashes
+    mirror.apply([BlockChange(EventKind.STORED, Tier.GPU, long[:3])])
+    assert mirror.leading(SIBLING.block_hashes) == 3 and mirror.leading(OTHER.block_hashes) == 0
+    mirror.apply([BlockChange(EventKind.REMOVED, Tier.GPU, (long[1],))])
+    assert mirror.leading(long) == 1  # a hole ends the run
+    mirror.apply([BlockChange(EventKind.STORED, Tier.CPU, long)])
+    assert mirror.leading(long) == 1  # only the engine tier counts
     mirror.apply([BlockChange(EventKind.CLEARED, None)])
-    assert mirror.leading(LONG) == 0
+    assert mirror.leading(long) == 0
 
 
 async def test_a_hold_waits_briefly_for_the_computing_request_to_arrive() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from prefixmesh import tracing
-from prefixmesh.cache_registry.types import BlockHash, ReplicaId
+from prefixmesh.cache_registry.types import BlockHash, PrefixKey, ReplicaId
 from prefixmesh.config import TelemetryConfig
 from prefixmesh.replica.deployment import ReplicaServer
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest, HeldMirror
@@ -20,7 +20,7 @@ from prefixmesh.replica.spans import NO_TRACE, replica_trace
 from prefixmesh.wire import GenerateRequest, HoldInstruction, SamplingSettings
 
 R = ReplicaId("replica-a")
-BLOCKS = tuple(BlockHash(7 + i) for i in range(2))
+KEY = PrefixKey(tuple(BlockHash(7 + i) for i in range(2)), 128)
 
 
 class _Engine:
@@ -62,9 +62,7 @@ def _server(engine: _Engine) -> ReplicaServer:
 
 
 def _request(hold: HoldInstruction | None = None) -> GenerateRequest:
-    return GenerateRequest(
-        "cmpl-1", tuple(range(2 * 128 + 3)), BLOCKS, SamplingSettings(3), hold=hold
-    )
+    return GenerateRequest("cmpl-1", tuple(range(2 * 128 + 3)), KEY, SamplingSettings(3), hold=hold)
 
 
 async def _drain(server: ReplicaServer, request: GenerateRequest) -> list[Any]:
@@ -119,7 +117,7 @@ async def test_generate_spans_are_children_of_the_route_span(memory: None) -> No
 
 async def test_a_held_request_records_the_time_it_waited(memory: None) -> None:
     server = _server(_Engine())
-    server.holds.inflight.started("other", BLOCKS, 256)  # another request is computing the prefix
+    server.holds.inflight.started("other", KEY, 256)  # another request is computing the prefix
     request = _request(HoldInstruction(num_blocks=2, max_wait_s=0.05))
     await _drain(server, request)
     queue = next(s for s in tracing.finished_spans() if s["name"] == "prefixmesh.replica.queue")

@@ -32,9 +32,7 @@ def config() -> PrefixmeshConfig:
 def request(config: PrefixmeshConfig, question: int) -> GenerateRequest:
     ids = [*DOCUMENT, 7, question]
     key = make_hasher(config).hash_tokens(ids)
-    return GenerateRequest(
-        f"cmpl-{uuid.uuid4().hex}", tuple(ids), key.block_hashes, SamplingSettings(8)
-    )
+    return GenerateRequest(f"cmpl-{uuid.uuid4().hex}", tuple(ids), key, SamplingSettings(8))
 
 
 async def test_in_process_decisions_run_through_one_at_a_time() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 
 from prefixmesh.cache_registry.factory import make_hasher, make_memory_state
-from prefixmesh.cache_registry.types import BlockHash, CacheEvent, EventKind, ReplicaId, Tier
+from prefixmesh.cache_registry.types import CacheEvent, EventKind, ReplicaId, Tier
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.router.decide import Candidate, RoutingCore
 from prefixmesh.router.holds import CLAIM_REASON
@@ -34,9 +34,7 @@ def fresh_state() -> LocalRouterState:
 def request(question: int, tokens: list[int] = DOCUMENT) -> GenerateRequest:
     ids = [*tokens, 7, question, 7, question]
     key = make_hasher(config()).hash_tokens(ids)
-    return GenerateRequest(
-        f"cmpl-{uuid.uuid4().hex}", tuple(ids), key.block_hashes, SamplingSettings(8)
-    )
+    return GenerateRequest(f"cmpl-{uuid.uuid4().hex}", tuple(ids), key, SamplingSettings(8))
 
 
 def candidates(*names: ReplicaId) -> list[Candidate]:
@@ -48,7 +46,7 @@ async def test_a_cold_long_prefix_is_claimed_for_its_replica() -> None:
     core = core_on(state)
     first = request(1)
     decision = await core.decide(first, candidates())
-    head = BlockHash(first.block_hashes[HEAD_BLOCKS - 1])
+    head = first.key.block_hashes[HEAD_BLOCKS - 1]
     assert decision.hold is None
     assert decision.claim == head
     assert state.registry.live_claim(head) is not None
@@ -64,7 +62,7 @@ async def test_another_replicas_claim_turns_the_decision_into_a_hold_there() -> 
     state = fresh_state()
     core = core_on(state)
     sibling = request(2)
-    head = BlockHash(sibling.block_hashes[HEAD_BLOCKS - 1])
+    head = sibling.key.block_hashes[HEAD_BLOCKS - 1]
     # Another router claimed the head for r3 and its speculative entry is not visible yet;
     # r3 has a queue, so this router's own pick is elsewhere.
     state.registry.claim_inflight(head, REPLICAS[3], 5.0)
@@ -83,7 +81,7 @@ async def test_a_claim_by_a_replica_that_is_not_a_candidate_is_ignored() -> None
     state = fresh_state()
     core = core_on(state)
     sibling = request(3)
-    head = BlockHash(sibling.block_hashes[HEAD_BLOCKS - 1])
+    head = sibling.key.block_hashes[HEAD_BLOCKS - 1]
     state.registry.claim_inflight(head, ReplicaId("gone"), 5.0)
     decision = await core.decide(sibling, candidates())
     assert decision.hold is None and decision.reason != CLAIM_REASON
@@ -94,7 +92,7 @@ async def test_no_claim_for_a_warm_prefix_a_short_prompt_or_when_disabled() -> N
     state = fresh_state()
     core = core_on(state)
     warm = request(4)
-    stored = CacheEvent(EventKind.STORED, REPLICAS[1], 0, 0, Tier.GPU, warm.block_hashes[:12])
+    stored = CacheEvent(EventKind.STORED, REPLICAS[1], 0, 0, Tier.GPU, warm.key.block_hashes[:12])
     state.registry.publish([stored])
     routed = await core.decide(warm, candidates())
     assert routed.chosen == REPLICAS[1] and routed.claim is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.router.metrics import RouterMetrics
 from prefixmesh.wire import GenerateChunk, GenerateRequest, HoldInstruction, SamplingSettings
 from prefixmesh.wire.generation import Generation
@@ -94,7 +95,7 @@ def test_a_replica_that_left_stops_being_reported() -> None:
 
 async def test_hold_time_comes_from_the_first_chunk() -> None:
     ingress = IngressMetrics()
-    request = GenerateRequest("cmpl-1", (1, 2, 3), (), SamplingSettings(4))
+    request = GenerateRequest("cmpl-1", (1, 2, 3), PrefixKey((), 16), SamplingSettings(4))
     request.hold = HoldInstruction(1, 0.5)
     chunk = GenerateChunk((7,), num_cached_tokens=2, replica_id="r1", held_s=0.03)
     generation = Generation(
@@ -110,7 +111,7 @@ async def test_hold_time_comes_from_the_first_chunk() -> None:
 
 
 def test_routed_to_falls_back_to_the_routers_choice() -> None:
-    request = GenerateRequest("cmpl-1", (1,), (), SamplingSettings(1))
+    request = GenerateRequest("cmpl-1", (1,), PrefixKey((), 16), SamplingSettings(1))
     request.routed_to = "r9"  # set by the request router; no chunk came back
     generation = Generation(
         _Stream([]), lambda ids: "", 1, [], lambda: None, lambda: None, request=request

@@ -46,8 +46,9 @@ def make_router(*overrides: str) -> PrefixmeshRequestRouter:
 
 def request_for(blocks: tuple[BlockHash, ...], avoid: tuple[str, ...] = ()) -> GenerateRequest:
     tokens = tuple(range(len(blocks) * BLOCK + 5))
+    key = PrefixKey(blocks, BLOCK)
     return GenerateRequest(
-        f"cmpl-{uuid.uuid4().hex}", tokens, blocks, SamplingSettings(4), avoid_replicas=avoid
+        f"cmpl-{uuid.uuid4().hex}", tokens, key, SamplingSettings(4), avoid_replicas=avoid
     )
 
 

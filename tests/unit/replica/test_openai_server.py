@@ -1,0 +1,89 @@
+"""The direct path's replica turns the router's ticket and its own key of the prompt into the
+engine request: the key it hashed travels as it is, the router's hold only to the replica the
+router chose, and no claim (the router releases its claims itself). No Serve, no HTTP."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from prefixmesh.cache_registry.hashing import BlockHasher
+from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.replica.openai_server import ReplicaHTTPServer
+from prefixmesh.wire import GenerateRequest, HoldInstruction, SamplingSettings
+from prefixmesh.wire.request_metrics import DirectMetrics
+from prefixmesh.wire.route_ticket import RouteTicket, key_digest
+from tests.unit.router.test_metrics import samples
+
+ME = ReplicaId("replica-a")
+IDS = tuple(range(10))
+KEY = BlockHasher(4, "m").hash_tokens(list(IDS))
+SAMPLING = SamplingSettings(4)
+
+
+class _Replica(SimpleNamespace):
+    """What ``_request`` reads of the server (an instance of Serve's wrapper class would need
+    its loop to be collected)."""
+
+    def _request(self, *args: Any) -> GenerateRequest:
+        request: GenerateRequest = ReplicaHTTPServer._request(self, *args)
+        return request
+
+
+def server() -> Any:
+    return _Replica(replica_id=ME, _metrics=DirectMetrics())
+
+
+def ticket(replica_id: str = ME, digest: str | None = None) -> RouteTicket:
+    return RouteTicket(
+        request_id="cmpl-router-1",
+        replica_id=replica_id,
+        reason="affinity",
+        matched_blocks=2,
+        key_digest=key_digest(KEY) if digest is None else digest,
+        arrived_ns=1,
+        hold=HoldInstruction(2, 0.25),
+        trace_context={"traceparent": "00-ab-cd-01"},
+    )
+
+
+def counted(replica: Any, name: str) -> float:
+    return samples(replica._metrics.render()).get((name, ()), 0.0)
+
+
+def test_the_router_s_decision_and_the_replica_s_key_make_the_request() -> None:
+    replica = server()
+    request = replica._request(ticket(), False, IDS, KEY, SAMPLING)
+    assert request.key is KEY  # the hasher's key, not a tuple rebuilt from it
+    assert (request.request_id, request.hold, request.routed_by) == (
+        "cmpl-router-1",
+        HoldInstruction(2, 0.25),
+        "affinity",
+    )
+    assert (request.routed_to, request.matched_blocks) == (ME, 2)
+    assert request.trace_context == {"traceparent": "00-ab-cd-01"}
+    assert not hasattr(request, "claim")
+    for name in ("route_key_mismatches", "redispatched_requests", "unrouted_requests"):
+        assert counted(replica, f"prefixmesh_{name}_total") == 0.0
+
+
+def test_a_redispatched_request_waits_for_nothing_meant_for_another_replica() -> None:
+    replica = server()
+    request = replica._request(ticket(replica_id="replica-b"), False, IDS, KEY, SAMPLING)
+    assert (request.hold, request.matched_blocks, request.routed_to) == (None, 0, "replica-b")
+    assert counted(replica, "prefixmesh_redispatched_requests_total") == 1.0
+
+
+def test_a_key_the_router_digested_otherwise_is_counted() -> None:
+    replica = server()
+    other = BlockHasher(4, "m").hash_tokens([9, *IDS[1:]])
+    replica._request(ticket(digest=key_digest(other)), False, IDS, KEY, SAMPLING)
+    assert counted(replica, "prefixmesh_route_key_mismatches_total") == 1.0
+
+
+def test_without_a_ticket_the_request_is_the_replica_s_own() -> None:
+    replica = server()
+    request = replica._request(None, True, IDS, KEY, SAMPLING)
+    assert isinstance(request, GenerateRequest) and request.key is KEY
+    assert request.request_id.startswith("chatcmpl-") and request.hold is None
+    assert counted(replica, "prefixmesh_unrouted_requests_total") == 1.0
