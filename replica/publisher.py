@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from prefixmesh.cache_registry.sequencing import MAX_EPOCH
@@ -42,15 +42,20 @@ after it is back)."""
 
 
 class EventTarget(Protocol):
-    async def publish(self, events: Sequence[CacheEvent]) -> list[PublishResult]: ...
+    """Where batches go: a ``CacheRegistry`` (its ``publish``), or the ingress that keeps the
+    in-process one. Like the registry's calls, it returns an awaitable (a coroutine function
+    fits)."""
+
+    def publish(self, events: Sequence[CacheEvent]) -> Awaitable[list[PublishResult]]: ...
 
 
 class Liveness(Protocol):
-    """The registry's liveness calls (``CacheRegistry.heartbeat`` and ``reap``)."""
+    """The registry's liveness calls (``CacheRegistry.heartbeat`` and ``reap``), typed as the
+    registry's: awaitables (a coroutine function fits)."""
 
-    async def heartbeat(self, replica: ReplicaId, epoch: int, seq: int) -> bool | None: ...
+    def heartbeat(self, replica: ReplicaId, epoch: int, seq: int) -> Awaitable[bool | None]: ...
 
-    async def reap(self, dead_after_s: float) -> list[ReplicaId]: ...
+    def reap(self, dead_after_s: float) -> Awaitable[list[ReplicaId]]: ...
 
 
 def new_epoch() -> int:
