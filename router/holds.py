@@ -176,8 +176,7 @@ async def claim(
     holder = attempt.result()
     if holder == chosen:
         return Claimed(decision, prefix, wait_s)
-    snapshot = by_id.get(holder) if holder is not None else None
-    if snapshot is None:
+    if holder is None or (snapshot := by_id.get(holder)) is None:
         return Claimed(decision, None, wait_s)  # no answer, or a holder we may not use (avoided)
     hold = Hold(settings.claim_blocks, bound_s(settings, snapshot, route.prompt_tokens))
     return Claimed(held_on(decision, holder, hold), None, wait_s)
