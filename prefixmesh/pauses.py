@@ -18,7 +18,8 @@ from typing import Any
 
 PauseSink = Callable[[int, float], None]
 """Receives (generation, seconds) for each collection pass."""
-LagSink = Callable[[float], None]
+LagSink = Callable[[float, str], None]
+"""Receives (seconds late, ``running`` or ``off_cpu``) for each wake-up."""
 
 
 def freeze_startup_heap() -> int:
@@ -58,15 +59,20 @@ async def sample_loop_lag(
     interval_s: float = 0.05,
     *,
     clock: Callable[[], float] = time.monotonic,
+    cpu_clock: Callable[[], float] = time.process_time,
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     samples: int | None = None,
 ) -> None:
     """Sleep ``interval_s`` again and again and report how late each wake-up was: the time the
-    loop spent on something else (a blocking call, a GC pass, a long callback). Runs until
-    cancelled (or ``samples`` times, for tests)."""
+    loop spent on something else. The process's CPU time over the same span says which kind:
+    ``running`` (it ran code meanwhile: a blocking call, a GC pass, a long callback) or
+    ``off_cpu`` (it was not scheduled: other processes had the cores, or it sat in a blocking
+    system call). Runs until cancelled (or ``samples`` times, for tests)."""
     count = 0
     while samples is None or count < samples:
-        before = clock()
+        before, cpu_before = clock(), cpu_clock()
         await sleep(interval_s)
-        sink(max(0.0, clock() - before - interval_s))
+        lag = max(0.0, clock() - before - interval_s)
+        ran = cpu_clock() - cpu_before
+        sink(lag, "running" if ran >= 0.5 * (lag + interval_s) else "off_cpu")
         count += 1

@@ -32,8 +32,10 @@ GC_PAUSE = HistogramSpec(
 )
 LOOP_LAG = HistogramSpec(
     "prefixmesh_event_loop_lag_seconds",
-    "How late the event loop woke a sleeper sampled every 50 ms (time it spent elsewhere)",
+    "How late the event loop woke a sleeper sampled every 50 ms, by whether the process ran "
+    "meanwhile (running: blocking code, GC) or was not scheduled (off_cpu: the cores were busy)",
     _PAUSE_BUCKETS,
+    ("cause",),
 )
 RUNTIME_METRICS = (ENGINE_TOKEN_INTERVAL, GC_PAUSE, LOOP_LAG)
 
@@ -51,5 +53,5 @@ class RuntimeMetrics:
     def gc_pause(self, generation: int, seconds: float) -> None:
         self._gc_pause.labels(generation=str(generation)).observe(seconds)
 
-    def loop_lag(self, seconds: float) -> None:
-        self._loop_lag.observe(seconds)
+    def loop_lag(self, seconds: float, cause: str) -> None:
+        self._loop_lag.labels(cause=cause).observe(seconds)

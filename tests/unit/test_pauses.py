@@ -40,13 +40,25 @@ def test_freezing_moves_survivors_out_of_collection() -> None:
         gc.unfreeze()
 
 
-def test_loop_lag_is_how_late_each_wake_up_was() -> None:
-    clock = FakeClock()
-    late_by = iter([0.0, 0.2, 0.01])
+def test_loop_lag_is_how_late_each_wake_up_was_and_whether_the_process_ran() -> None:
+    clock, cpu = FakeClock(), FakeClock()
+    # (seconds late, CPU seconds this process used over the sleep)
+    wakeups = iter([(0.0, 0.0), (0.2, 0.24), (0.3, 0.01)])
 
     async def sleep(seconds: float) -> None:
-        clock.advance(seconds + next(late_by))
+        late, ran = next(wakeups)
+        clock.advance(seconds + late)
+        cpu.advance(ran)
 
-    lags: list[float] = []
-    asyncio.run(sample_loop_lag(lags.append, 0.05, clock=clock, sleep=sleep, samples=3))
-    assert [round(lag, 6) for lag in lags] == [0.0, 0.2, 0.01]
+    lags: list[tuple[float, str]] = []
+    asyncio.run(
+        sample_loop_lag(
+            lambda lag, cause: lags.append((round(lag, 6), cause)),
+            0.05,
+            clock=clock,
+            cpu_clock=cpu,
+            sleep=sleep,
+            samples=3,
+        )
+    )
+    assert lags == [(0.0, "off_cpu"), (0.2, "running"), (0.3, "off_cpu")]

@@ -93,3 +93,29 @@ def test_p99_is_judged_against_the_engine_median() -> None:
     assert judged.max_gap_ok  # 42 ms
     assert judged.p99_ok is False  # 42 ms > 3 x 1.5 ms
     assert verdict(gaps, server_side("", "")).p99_ok is None
+
+
+def test_the_longest_engine_interval_is_bounded_below_by_its_bucket() -> None:
+    server = server_side(HISTOGRAM.format(a=0, b=0, c=0), HISTOGRAM.format(a=5, b=9, c=10))
+    assert server.engine_interval_max_s == 0.002  # one interval past 2 ms
+    server = server_side(HISTOGRAM.format(a=0, b=0, c=0), HISTOGRAM.format(a=5, b=9, c=9))
+    assert server.engine_interval_max_s == 0.001
+    assert server_side("", "").engine_interval_max_s is None
+
+
+LAGS = """# TYPE prefixmesh_event_loop_lag_seconds histogram
+prefixmesh_event_loop_lag_seconds_bucket{{cause="running",le="0.05"}} {r}
+prefixmesh_event_loop_lag_seconds_bucket{{cause="running",le="+Inf"}} {rt}
+prefixmesh_event_loop_lag_seconds_count{{cause="running"}} {rt}
+prefixmesh_event_loop_lag_seconds_sum{{cause="running"}} 1
+prefixmesh_event_loop_lag_seconds_bucket{{cause="off_cpu",le="0.05"}} {o}
+prefixmesh_event_loop_lag_seconds_bucket{{cause="off_cpu",le="+Inf"}} {ot}
+prefixmesh_event_loop_lag_seconds_count{{cause="off_cpu"}} {ot}
+prefixmesh_event_loop_lag_seconds_sum{{cause="off_cpu"}} 1
+"""
+
+
+def test_loop_lags_are_told_apart_by_cause() -> None:
+    server = server_side(LAGS.format(r=0, rt=0, o=0, ot=0), LAGS.format(r=10, rt=12, o=5, ot=8))
+    assert server.loop_lag_running_over_50ms == 2
+    assert server.loop_lag_off_cpu_over_50ms == 3
