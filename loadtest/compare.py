@@ -37,7 +37,7 @@ from typing import Any
 import yaml
 
 from prefixmesh.cache_registry.redis_server import free_port
-from prefixmesh.config import PrefixmeshConfig, load_config, merge_settings
+from prefixmesh.config import PrefixmeshConfig, ServingConfig, load_config, merge_settings
 from prefixmesh.loadtest.compare_report import RouterRow, delta, make_row, parse_counters
 from prefixmesh.loadtest.compare_report import write_compare as write_compare_report
 from prefixmesh.loadtest.peers import (
@@ -52,7 +52,7 @@ from prefixmesh.loadtest.plan import PlanSettings
 from prefixmesh.loadtest.poisson import percentile
 from prefixmesh.loadtest.traces import TRACE_FORMATS
 from prefixmesh.loadtest.workloads import WORKLOADS
-from prefixmesh.local_ray import init_local_ray
+from prefixmesh.local_ray import configure_environment, init_local_ray, stop_haproxy
 
 ROUTERS = ("prefixmesh", "ray_pow2", "ray_prefix_affinity", "sglang", "vllm_router")
 RAY_ROUTERS = {
@@ -225,16 +225,16 @@ class Fleet:
 
 
 @contextmanager
-def ray_cluster(temp_root: Path) -> Iterator[int]:
-    """Ray on 127.0.0.1 with Serve's proxy on a free port; shut down (by this driver) after."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+def ray_cluster(temp_root: Path, serving: ServingConfig) -> Iterator[int]:
+    """Ray on 127.0.0.1 with Serve's HTTP entry on a free port (HAProxy in front on the direct
+    path); shut down (by this driver) after, HAProxy included."""
     os.environ.setdefault("RAY_worker_niceness", "0")  # the peers run at nice 0 too
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    haproxy_dir = configure_environment(serving)  # before Serve is imported: it reads them then
     import ray
     from ray import serve
 
     temp_dir = tempfile.mkdtemp(prefix="pmcmp-", dir=str(temp_root))
-    init_local_ray(temp_dir)
+    init_local_ray(temp_dir, serving=serving)
     port = free_port()
     try:
         serve.start(
@@ -246,6 +246,9 @@ def ray_cluster(temp_root: Path) -> Iterator[int]:
         serve.shutdown()
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        if haproxy_dir is not None:
+            stop_haproxy(haproxy_dir)
+            shutil.rmtree(haproxy_dir, ignore_errors=True)
 
 
 @contextmanager
@@ -381,7 +384,7 @@ def main(argv: list[str], prog: str = "compare") -> int:
     try:
         fleet.wait_ready(300 if args.engine == "vllm" else 120)
         ray_needed = any(r in RAY_ROUTERS for r in routers)
-        with _maybe_ray(ray_needed, Path(tempfile.gettempdir())) as ray_port:
+        with _maybe_ray(ray_needed, Path(tempfile.gettempdir()), base.serving) as ray_port:
             for router in routers:
                 setup, start = _router(router, args, base, fleet, ray_port, peer_env, logs)
                 fleet.reset()
@@ -432,11 +435,11 @@ def main(argv: list[str], prog: str = "compare") -> int:
 
 
 @contextmanager
-def _maybe_ray(needed: bool, temp_root: Path) -> Iterator[int | None]:
+def _maybe_ray(needed: bool, temp_root: Path, serving: ServingConfig) -> Iterator[int | None]:
     if not needed:
         yield None
         return
-    with ray_cluster(temp_root) as port:
+    with ray_cluster(temp_root, serving) as port:
         yield port
 
 
@@ -464,6 +467,9 @@ def _router(
         }
         if router != "prefixmesh":  # the replicas' own delay-hit holds are ours
             overrides["routing"]["prefixmesh"] = {"holds_enabled": False}
+            # Serve's own routers route handle calls: the proxy path's ingress (behind HAProxy
+            # when the cluster runs it).
+            overrides["serving"] = {"path": "proxy"}
         data = merge_settings(base.model_dump(mode="json"), overrides)
         config = PrefixmeshConfig.model_validate(data)
         return SETUPS[router], lambda: ray_router(config, ray_port)
