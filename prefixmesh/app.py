@@ -119,6 +119,8 @@ def build_app(config: PrefixmeshConfig) -> Any:
         num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
+        # A dead router stays in HAProxy's router pool until Serve's health check notices.
+        health_check_period_s=config.ingress.health_check_period_s,
     )
     bound_replicas = replicas.bind(config_json, model_path, front_name)
     bound_front = front.bind(bound_replicas, config_json, model_path)

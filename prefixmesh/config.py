@@ -369,6 +369,10 @@ class IngressConfig(_Section):
     """Ingress replicas; more than one needs the redis registry backend."""
     max_ongoing_requests: int = Field(default=512, ge=1)
     """Concurrent requests per ingress replica."""
+    health_check_period_s: float = Field(default=1.0, gt=0)
+    """How often Serve checks that each ingress replica (the router on the direct path) lives.
+    HAProxy learns a router died only from Serve: until then it still asks the dead one, and with
+    no other router to ask it answers 503 (Serve's default period is 10 s)."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Upper bound on one request, streaming included."""
     retries: int = Field(default=1, ge=0)
