@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,8 @@ def haproxy_environment(
     """Ray Serve's HAProxy ingress with our router asked for every POST: its files under
     ``run_dir`` (not the machine-wide /tmp/haproxy-serve), its stats and metrics listeners and
     the fallback proxy moved off their fixed ports, retries of requests whose replica died
-    before answering. ``port``: picks a free port (injected in tests)."""
+    before answering, the client's ``traceparent`` forwarded to the router. ``port``: picks a
+    free port (injected in tests)."""
     run = Path(run_dir)
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -49,6 +52,10 @@ def haproxy_environment(
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(run),
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(run / "server-state"),
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(run / "metrics.sock"),
+        # HAProxy sends the router the body and Serve's session header only: naming that
+        # header traceparent lets the router's spans continue the client's trace (our router
+        # routes on the prompt, never on a session).
+        "RAY_SERVE_SESSION_ID_HEADER_KEY": "traceparent",
     }
 
 
@@ -91,6 +98,35 @@ def haproxy_metrics_url() -> str | None:
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         return None
     return f"http://127.0.0.1:{os.environ['RAY_SERVE_HAPROXY_METRICS_PORT']}/metrics"
+
+
+_LUA_LOAD = re.compile(r"^\s*lua-load-per-thread\s+(\S+)", re.MULTILINE)
+_LUA_ROUTER = re.compile(r'host = "([^"]+)", port = (\d+)')
+"""A router in the pool of Ray's Lua script (``haproxy.py: _format_routers_lua``, private)."""
+
+
+def router_pool(config_text: str, read: Callable[[str], str]) -> list[tuple[str, int]]:
+    """The routers (host, port) an HAProxy config asks, from the Lua script it loads (``read``
+    gives a file's text). Empty when it loads none: Ray leaves the script out while no router
+    replica runs, and HAProxy then balances every request over the replicas."""
+    loaded = _LUA_LOAD.search(config_text)
+    if loaded is None:
+        return []
+    return sorted((host, int(port)) for host, port in _LUA_ROUTER.findall(read(loaded[1])))
+
+
+def haproxy_router_pool() -> list[tuple[str, int]]:
+    """The routers HAProxy on this node asks now, as ``configure_environment`` set it up (Ray
+    writes the config under a folder named for the node, then reloads HAProxy); empty when
+    HAProxy is not configured or asks no router."""
+    location = os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC")
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1" or not location:
+        return []
+    config = Path(location)
+    pool: list[tuple[str, int]] = []
+    for node_config in config.parent.glob(f"*/{config.name}"):
+        pool += router_pool(node_config.read_text(), lambda path: Path(path).read_text())
+    return sorted(pool)
 
 
 def service_discovery(targets: list[str]) -> str:

@@ -4,7 +4,7 @@ from itertools import count
 from pathlib import Path
 
 from prefixmesh.config import load_config
-from prefixmesh.local_ray import haproxy_environment
+from prefixmesh.local_ray import haproxy_environment, router_pool
 
 
 def test_haproxy_settings_keep_files_ports_and_limits_ours(tmp_path: Path) -> None:
@@ -16,6 +16,7 @@ def test_haproxy_settings_keep_files_ports_and_limits_ours(tmp_path: Path) -> No
     assert env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_TIMEOUT_S"] == "3"
     assert env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"] == str(serving.max_body_bytes)
     assert "empty-response" in env["RAY_SERVE_HAPROXY_RETRY_ON"]
+    assert env["RAY_SERVE_SESSION_ID_HEADER_KEY"] == "traceparent"  # the router's spans' parent
     # Nothing under the machine-wide /tmp/haproxy-serve, no fixed port another cluster holds.
     paths = [v for k, v in env.items() if k.endswith(("_LOC", "_PATH", "_BASE", "_FILE"))]
     assert len(paths) == 5 and all(p.startswith(str(tmp_path)) for p in paths)
@@ -29,3 +30,29 @@ def test_configured_haproxy_ports_are_used(tmp_path: Path) -> None:
     env = haproxy_environment(serving, tmp_path, lambda: 1)
     assert env["RAY_SERVE_HAPROXY_STATS_PORT"] == "9404"
     assert env["RAY_SERVE_HAPROXY_METRICS_PORT"] == "9101"
+
+
+def _lua_of(ports: list[int]) -> str:
+    """The part of Ray's Lua script that lists the routers, as Ray formats it."""
+    from ray.serve._private.haproxy import ServerConfig, _format_routers_lua
+
+    servers = [ServerConfig(f"router-{p}", "127.0.0.1", p) for p in ports]
+    return f"local ROUTERS = {_format_routers_lua({'http-prefixmesh': servers})}\n"
+
+
+def test_router_pool_reads_the_lua_script_the_config_loads() -> None:
+    script = "/run/n1/ingress_request_router.lua"
+    config = f"global\n    maxconn 4096\n    lua-load-per-thread {script}\n"
+    read: list[str] = []
+
+    def reader(path: str) -> str:
+        read.append(path)
+        return _lua_of([30002, 30001])
+
+    assert router_pool(config, reader) == [("127.0.0.1", 30001), ("127.0.0.1", 30002)]
+    assert read == [script]
+
+
+def test_no_lua_script_loaded_is_no_router() -> None:
+    # Ray leaves the script (not the file) out while no router runs: the stale file is not read.
+    assert router_pool("global\n    maxconn 4096\n", lambda path: _lua_of([30001])) == []
