@@ -6,7 +6,8 @@ their span code behind ``enabled()``, so tracing off costs a module-global read 
 
 The provider is this module's own, not the global one: ``setup`` stays idempotent and
 testable (``reset``), and nothing else in these processes is instrumented. The trace context
-crosses processes as a W3C carrier dict (``inject`` / ``extract``) inside the request object.
+crosses processes as a W3C carrier dict (``inject`` / ``extract``): inside the request object on
+the proxy path, in the router's ticket (trusted headers) on the direct path.
 """
 
 from __future__ import annotations
@@ -120,6 +121,15 @@ def extract(carrier: Mapping[str, str] | None) -> Context | None:
     return _PROPAGATOR.extract(carrier)
 
 
+def span_context(carrier: Mapping[str, str] | None) -> trace.SpanContext | None:
+    """The span a carrier names, or None when it names none (absent or malformed)."""
+    context = extract(carrier)
+    if context is None:
+        return None
+    span_context = trace.get_current_span(context).get_span_context()
+    return span_context if span_context.is_valid else None
+
+
 def finished_spans(clear: bool = False) -> list[dict[str, Any]]:
     """Spans finished in this process, as plain dicts (``tracing=memory`` only, else [])."""
     memory = _setup.memory if _setup is not None else None
@@ -144,6 +154,14 @@ def _as_dict(span: Any) -> dict[str, Any]:
         "status": span.status.status_code.name,
         "attributes": dict(span.attributes or {}),
         "events": [{"name": e.name, "time_ns": e.timestamp} for e in span.events],
+        "links": [
+            {
+                "trace_id": f"{link.context.trace_id:032x}",
+                "span_id": f"{link.context.span_id:016x}",
+                "attributes": dict(link.attributes or {}),
+            }
+            for link in span.links
+        ],
         "role": span.resource.attributes.get("prefixmesh.role"),
     }
 

@@ -26,6 +26,7 @@ from ray import serve
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.replica.deployment import ReplicaServer
+from prefixmesh.replica.spans import trace_parent
 from prefixmesh.wire import GenerateChunk, GenerateRequest
 from prefixmesh.wire.generation import Generation
 from prefixmesh.wire.openai_protocol import (
@@ -144,7 +145,9 @@ class ReplicaHTTPServer(ReplicaServer):
             len(ids), max_tokens, self._max_model_len, self._encoder.eos_token_id
         )
         key = self._hasher.hash_tokens(ids)
-        generate = self._request(ticket, chat, tuple(ids), key, sampling)
+        # The router's decision is the spans' parent; the client's traceparent when there is none.
+        context = trace_parent(ticket.trace_context if ticket else None, request.headers)
+        generate = self._request(ticket, chat, tuple(ids), key, sampling, context)
         # TTFT counts from when the request entered the cluster (the router's clock).
         entered_ns = ticket.arrived_ns if ticket is not None and ticket.arrived_ns else received_ns
         started_s = time.monotonic() - max(0, time.time_ns() - entered_ns) / 1e9
@@ -202,11 +205,14 @@ class ReplicaHTTPServer(ReplicaServer):
         ids: tuple[int, ...],
         key: PrefixKey,
         sampling: Any,
+        trace_context: dict[str, str] | None = None,
     ) -> GenerateRequest:
         """The engine request, with the router's decision when it was made for this replica."""
         if ticket is None:
             self._metrics.unrouted.inc()
-            return GenerateRequest(new_request_id(chat), ids, key, sampling)
+            return GenerateRequest(
+                new_request_id(chat), ids, key, sampling, trace_context=trace_context
+            )
         if ticket.key_digest and ticket.key_digest != key_digest(key):
             self._metrics.key_mismatches.inc()
             logger.warning("request %s: the router keyed another prompt", ticket.request_id)
@@ -223,7 +229,7 @@ class ReplicaHTTPServer(ReplicaServer):
             routed_by=ticket.reason,
             routed_to=ticket.replica_id,
             matched_blocks=ticket.matched_blocks if mine else 0,
-            trace_context=dict(ticket.trace_context) if ticket.trace_context else None,
+            trace_context=trace_context,
         )
 
     def _stream_failed(self, request_id: str) -> Any:

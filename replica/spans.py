@@ -5,14 +5,27 @@ arrival to the engine submit (a delay-hit hold included), ``...prefill`` from th
 first token (its end is the first-token time; it also carries a ``first_token`` event) and
 ``...decode`` from the first token to the end. With tracing off ``replica_trace`` returns a
 shared object whose methods do nothing.
+
+On the direct path the parent comes from two places (``trace_parent``): the router's ticket
+(its decision's span) and the client's own ``traceparent``, which HAProxy forwards here. They
+are one trace when HAProxy handed the router the client's header too (``router/spans.py``);
+when they are not, the client's trace is the one its owner looks up, so the replica's spans
+continue it and link the router's decision.
 """
 
 from __future__ import annotations
 
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
+from collections.abc import Mapping
+
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, set_span_in_context
 
 from prefixmesh import tracing
 from prefixmesh.wire import GenerateRequest, HoldInstruction
+
+LINKED = "prefixmesh-linked"
+"""Key in ``trace_context`` holding the ``traceparent`` of a routing decision made in another
+trace than the client's: the replica's span links it."""
+_TRACE_FIELDS = ("traceparent", "tracestate")
 
 
 class NoTrace:
@@ -86,14 +99,36 @@ class ReplicaTrace(NoTrace):
         self._root.end()
 
 
+def trace_parent(
+    ticket_context: Mapping[str, str] | None, headers: Mapping[str, str]
+) -> dict[str, str] | None:
+    """The direct path's ``trace_context`` from the router's ticket and the client's headers:
+    the decision's when both are one trace or the client sent none, else the client's with
+    the decision under ``LINKED``; None when tracing is off or neither names a span."""
+    if not tracing.enabled():
+        return None
+    client = {field: headers[field] for field in _TRACE_FIELDS if headers.get(field)}
+    client_span = tracing.span_context(client)
+    router_span = tracing.span_context(ticket_context)
+    if ticket_context is None or router_span is None:
+        return client if client_span is not None else None
+    if client_span is None or client_span.trace_id == router_span.trace_id:
+        return dict(ticket_context)
+    return {**client, LINKED: ticket_context["traceparent"]}
+
+
 def replica_trace(request: GenerateRequest, replica_id: str) -> NoTrace:
     """The trace of ``request`` on this replica, continuing its ``trace_context``."""
     if not tracing.enabled():
         return NO_TRACE
+    carrier = request.trace_context
+    decision = carrier.get(LINKED) if carrier else None
+    linked = tracing.span_context({"traceparent": decision}) if decision else None
     root = tracing.tracer().start_span(
         "prefixmesh.replica.generate",
-        context=tracing.extract(request.trace_context),
+        context=tracing.extract(carrier),
         kind=SpanKind.SERVER,
+        links=[Link(linked, {"prefixmesh.link": "route"})] if linked is not None else None,
     )
     if not root.is_recording():  # not sampled: skip the children and attributes too
         return NO_TRACE
@@ -104,4 +139,8 @@ def replica_trace(request: GenerateRequest, replica_id: str) -> NoTrace:
             "prefixmesh.prompt_tokens": len(request.prompt_token_ids),
         }
     )
+    if request.routed_to and request.routed_to != replica_id:
+        # The decision chose another replica (HAProxy redispatched it, or Serve took a lower
+        # rank of the decision's).
+        root.set_attribute("prefixmesh.routed_to", request.routed_to)
     return ReplicaTrace(root)

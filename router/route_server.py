@@ -9,6 +9,11 @@ claims, speculative entries) picks the replica without dispatching anything
 A claim the decision took stays here: this router's ledger releases it when a replica's report
 lists the request (``router/holds.py``).
 
+Tracing: HAProxy forwards the client's ``traceparent`` here under Serve's session header
+(``local_ray.haproxy_environment`` names it so); the call's span continues it, the decision's
+span is its child, and the decision's context rides in the ticket to the replica, whose spans
+are the decision's children (``router/spans.py``).
+
 HAProxy answers the client 503 when a routing call errs or outlasts
 ``serving.router_timeout_s``, so this never errs and answers within ``route_budget_share`` of
 it: an invalid body (the replica re-validates it and answers the OpenAI error), a body longer
@@ -31,6 +36,7 @@ from prefixmesh.cache_registry.factory import make_hasher, make_memory_state
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.router.local_state import local_state
+from prefixmesh.router.spans import NO_ROUTER_TRACE, NoRouterTrace, router_trace
 from prefixmesh.wire import GenerateRequest, LoadBalanced
 from prefixmesh.wire.openai_protocol import (
     APIError,
@@ -75,20 +81,27 @@ class RouterServer:
         arrived_ns = time.time_ns()
         raw = await request.body()
         truncated = TRUNCATED_HEADER in request.headers
+        trace = router_trace(request.headers, arrived_ns, truncated)  # no-op when tracing is off
         generate: GenerateRequest | None = None
         try:
             async with asyncio.timeout(self._budget_s):
                 if not truncated:  # a truncated body would key a wrong prefix: balance it
-                    generate = await self._prepare(raw)
-                return await self._choose(generate, arrived_ns)
+                    generate = await self._prepare(raw, trace.carrier)
+                return await self._choose(generate, arrived_ns, trace)
         except Exception as exc:  # the deadline, or anything else: never HAProxy's 503
             if not isinstance(exc, TimeoutError):
                 logger.exception("routing failed; answering with a load-balanced pick")
-            self._local.metrics.fell_back("timeout" if isinstance(exc, TimeoutError) else "error")
+            reason = "timeout" if isinstance(exc, TimeoutError) else "error"
+            self._local.metrics.fell_back(reason)
+            trace.fell_back(reason, exc)
             async with asyncio.timeout(self._budget_s):
-                return await self._choose(None, arrived_ns)
+                return await self._choose(None, arrived_ns, trace)
+        finally:
+            trace.end()
 
-    async def _prepare(self, raw: bytes) -> GenerateRequest | None:
+    async def _prepare(
+        self, raw: bytes, trace_context: dict[str, str] | None = None
+    ) -> GenerateRequest | None:
         """The request as the replicas' router sees it; None for input the replica will refuse
         (it answers the OpenAI error itself)."""
         chat = any(key in raw for key in _CHAT_KEYS)
@@ -102,14 +115,21 @@ class RouterServer:
         except APIError:
             return None
         key = self._hasher.hash_tokens(ids)
-        return GenerateRequest(new_request_id(chat), tuple(ids), key, sampling)
+        request_id = new_request_id(chat)
+        return GenerateRequest(request_id, tuple(ids), key, sampling, trace_context=trace_context)
 
-    async def _choose(self, generate: GenerateRequest | None, arrived_ns: int) -> Response:
+    async def _choose(
+        self,
+        generate: GenerateRequest | None,
+        arrived_ns: int,
+        trace: NoRouterTrace = NO_ROUTER_TRACE,
+    ) -> Response:
         target: Any = generate if generate is not None else LoadBalanced()
         async with self._replicas.choose_replica(target, _reserve=False) as selection:
             replica = selection._replica
             full_id = replica.replica_id.to_full_id_str()
             unique_id = replica.replica_id.unique_id
+        trace.chose(unique_id, generate)
         if generate is None:
             self.fallbacks += 1
             return JSONResponse({"replica_id": full_id})

@@ -1,12 +1,22 @@
-"""The spans of one request in the ingress process: ``prefixmesh.request`` (arrival to the last
-byte) and, under it, one ``prefixmesh.route`` per routing decision.
+"""The spans of one request where it is routed. On the proxy path, in the ingress process:
+``prefixmesh.request`` (arrival to the last byte) and, under it, one ``prefixmesh.route`` per
+routing decision. On the direct path, in the router process: ``prefixmesh.router.request``
+(HAProxy's ``/internal/route`` call: parse, tokenize, hash, decide) and the ``prefixmesh.route``
+under it.
 
-The trace context rides in ``GenerateRequest.trace_context``: the ingress puts its request
-span's there, each routing decision replaces it with its own (the replica's spans become the
-decision's children) and keeps the request span's under ``ORIGIN``, so that a decision made
-again for the same request (Serve re-routes when a replica refuses it) is a sibling of the
-first, not its child. With tracing off the factories return shared objects that do nothing
-and nothing else runs (no attribute dicts are built).
+The trace context rides in ``GenerateRequest.trace_context``: the ingress (or the router) puts
+its request span's there, each routing decision replaces it with its own (the replica's spans
+become the decision's children) and keeps the request span's under ``ORIGIN``, so that a
+decision made again for the same request (Serve re-routes when a replica refuses it) is a
+sibling of the first, not its child. On the direct path the decision's context reaches the
+replica in the ticket (``wire/route_ticket.py``).
+
+HAProxy sends the router only the client's body and a few named headers, not ``traceparent``;
+one of them is Serve's session header, whose name ``local_ray.haproxy_environment`` sets to
+``traceparent``, so the router's span continues the client's trace. Where HAProxy was set up
+without it, the replica sees both traces and continues the client's, linking the router's
+decision (``replica/spans.py``). With tracing off the factories return shared objects that do
+nothing and nothing else runs (no attribute dicts are built).
 """
 
 from __future__ import annotations
@@ -119,6 +129,79 @@ def request_trace(
             }
         )
     return RequestTrace(span)
+
+
+# ---- the direct path's routing call --------------------------------------------------------
+
+
+class NoRouterTrace:
+    """Tracing off: every call is a no-op and ``carrier`` is None."""
+
+    __slots__ = ()
+    carrier: dict[str, str] | None = None
+
+    def fell_back(self, reason: str, exc: BaseException | None = None) -> None:
+        pass
+
+    def chose(self, replica: str, request: GenerateRequest | None) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+NO_ROUTER_TRACE = NoRouterTrace()
+
+
+class RouterTrace(NoRouterTrace):
+    __slots__ = ("_fallback", "_span", "_truncated", "carrier")
+
+    def __init__(self, span: Span, truncated: bool) -> None:
+        self._span = span
+        self._truncated = truncated
+        self._fallback: str | None = None
+        self.carrier = tracing.inject(span)
+        """For ``GenerateRequest.trace_context``: the decision's span becomes its child."""
+
+    def fell_back(self, reason: str, exc: BaseException | None = None) -> None:
+        """The decision failed (``timeout``, ``error``): a load-balanced pick follows."""
+        self._fallback = reason
+        if exc is not None and not isinstance(exc, TimeoutError):
+            self._span.record_exception(exc)
+
+    def chose(self, replica: str, request: GenerateRequest | None) -> None:
+        """The answer names ``replica``; ``request`` is None for a pick without a decision."""
+        if not self._span.is_recording():
+            return
+        attributes: dict[str, Any] = {"prefixmesh.replica": replica}
+        if request is not None:
+            attributes["prefixmesh.request_id"] = request.request_id
+            attributes["prefixmesh.prompt_tokens"] = len(request.prompt_token_ids)
+        else:  # the replica answers an invalid body's OpenAI error itself
+            attributes["prefixmesh.fallback_reason"] = self._fallback or (
+                "body_truncated" if self._truncated else "invalid_body"
+            )
+        self._span.set_attributes(attributes)
+
+    def end(self) -> None:
+        self._span.end()
+
+
+def router_trace(headers: Mapping[str, str], start_ns: int, truncated: bool) -> NoRouterTrace:
+    """The span of one ``/internal/route`` call from ``start_ns`` (arrival, wall clock),
+    continuing the client's ``traceparent`` when HAProxy forwarded it (module docstring);
+    ``truncated``: HAProxy sent only the head of the body."""
+    if not tracing.enabled():
+        return NO_ROUTER_TRACE
+    span = tracing.tracer().start_span(
+        "prefixmesh.router.request",
+        context=tracing.extract(headers),
+        kind=SpanKind.SERVER,
+        start_time=start_ns,
+    )
+    if truncated and span.is_recording():
+        span.set_attribute("prefixmesh.body_truncated", True)
+    return RouterTrace(span, truncated)
 
 
 # ---- the routing decision's span -----------------------------------------------------------

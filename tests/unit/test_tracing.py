@@ -69,6 +69,21 @@ def test_extract_of_nothing_makes_a_root() -> None:
     assert tracing.finished_spans()[0]["parent_span_id"] is None
 
 
+def test_span_context_names_a_carrier_s_span_or_none() -> None:
+    carrier = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    context = tracing.span_context(carrier)
+    assert context is not None and context.is_remote
+    assert (f"{context.trace_id:032x}", f"{context.span_id:016x}") == (
+        "0af7651916cd43dd8448eb211c80319c",
+        "b7ad6b7169203331",
+    )
+    assert tracing.span_context(None) is None
+    assert tracing.span_context({}) is None
+    assert tracing.span_context({"traceparent": "junk"}) is None
+    zero = {"traceparent": f"00-{'0' * 32}-b7ad6b7169203331-01"}  # an invalid trace id
+    assert tracing.span_context(zero) is None
+
+
 def test_setup_is_idempotent_the_first_config_wins() -> None:
     tracing.setup(MEMORY, "ingress")
     tracer = tracing.tracer()

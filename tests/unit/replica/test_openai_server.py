@@ -53,7 +53,8 @@ def counted(replica: Any, name: str) -> float:
 
 def test_the_router_s_decision_and_the_replica_s_key_make_the_request() -> None:
     replica = server()
-    request = replica._request(ticket(), False, IDS, KEY, SAMPLING)
+    parent = {"traceparent": "00-ab-cd-01"}  # trace_parent's choice (tests/unit/replica)
+    request = replica._request(ticket(), False, IDS, KEY, SAMPLING, parent)
     assert request.key is KEY  # the hasher's key, not a tuple rebuilt from it
     assert (request.request_id, request.hold, request.routed_by) == (
         "cmpl-router-1",
@@ -61,7 +62,7 @@ def test_the_router_s_decision_and_the_replica_s_key_make_the_request() -> None:
         "affinity",
     )
     assert (request.routed_to, request.matched_blocks) == (ME, 2)
-    assert request.trace_context == {"traceparent": "00-ab-cd-01"}
+    assert request.trace_context == parent
     assert not hasattr(request, "claim")
     for name in ("route_key_mismatches", "redispatched_requests", "unrouted_requests"):
         assert counted(replica, f"prefixmesh_{name}_total") == 0.0

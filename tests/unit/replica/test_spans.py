@@ -16,7 +16,7 @@ from prefixmesh.config import TelemetryConfig
 from prefixmesh.replica.deployment import ReplicaServer
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest, HeldMirror
 from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
-from prefixmesh.replica.spans import NO_TRACE, replica_trace
+from prefixmesh.replica.spans import LINKED, NO_TRACE, replica_trace, trace_parent
 from prefixmesh.wire import GenerateRequest, HoldInstruction, SamplingSettings
 
 R = ReplicaId("replica-a")
@@ -153,3 +153,61 @@ async def test_tracing_off_costs_no_spans() -> None:
     assert replica_trace(request, R) is NO_TRACE
     assert len(await _drain(_server(_Engine()), request)) == 3
     assert tracing.finished_spans() == []
+
+
+# ---- the direct path's parent: the router's ticket and the client's headers ------------------
+
+CLIENT = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+DECISION = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01"}
+"""The router's decision in the client's trace (HAProxy forwarded the client's header)."""
+OTHER_DECISION = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+"""A decision in a trace of the router's own (HAProxy did not forward the client's header)."""
+
+
+def test_the_decision_is_the_parent_when_it_continues_the_client(memory: None) -> None:
+    assert trace_parent(DECISION, CLIENT) == DECISION
+    assert trace_parent(DECISION, {}) == DECISION  # the client sent none: the router's trace
+    assert trace_parent(DECISION, {"traceparent": "junk"}) == DECISION
+
+
+def test_without_a_decision_the_client_is_the_parent(memory: None) -> None:
+    assert trace_parent(None, {**CLIENT, "host": "x"}) == CLIENT  # a direct call, a blind pick
+    assert trace_parent({"traceparent": "junk"}, CLIENT) == CLIENT
+    assert trace_parent(None, {"traceparent": "junk"}) is None
+    assert trace_parent(None, {}) is None
+
+
+def test_a_decision_in_another_trace_is_linked_from_the_client_s(memory: None) -> None:
+    state = {"tracestate": "vendor=1"}
+    parent = trace_parent(OTHER_DECISION, {**CLIENT, **state})
+    assert parent == {**CLIENT, **state, LINKED: OTHER_DECISION["traceparent"]}
+
+    request = _request()
+    request.trace_context = parent
+    trace = replica_trace(request, R)
+    trace.end(0, None)
+    spans = {s["name"]: s for s in tracing.finished_spans()}
+    root = spans["prefixmesh.replica.generate"]
+    assert root["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+    assert root["parent_span_id"] == "b7ad6b7169203331"
+    assert root["links"] == [
+        {
+            "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
+            "span_id": "00f067aa0ba902b7",
+            "attributes": {"prefixmesh.link": "route"},
+        }
+    ]
+
+
+def test_tracing_off_has_no_parent() -> None:
+    tracing.reset()
+    assert trace_parent(DECISION, CLIENT) is None
+
+
+async def test_a_request_the_decision_sent_elsewhere_names_that_replica(memory: None) -> None:
+    request = _request()
+    request.routed_to = "replica-b"  # HAProxy redispatched it here
+    await _drain(_server(_Engine()), request)
+    root = next(s for s in tracing.finished_spans() if s["name"] == "prefixmesh.replica.generate")
+    assert root["attributes"]["prefixmesh.routed_to"] == "replica-b"
+    assert root["links"] == []

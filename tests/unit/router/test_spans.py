@@ -14,10 +14,12 @@ from prefixmesh import tracing
 from prefixmesh.config import TelemetryConfig
 from prefixmesh.router.spans import (
     NO_REQUEST_TRACE,
+    NO_ROUTER_TRACE,
     ORIGIN,
     note_lookup,
     request_trace,
     route_span,
+    router_trace,
 )
 from prefixmesh.wire import GenerateRequest
 from prefixmesh.wire.openai_protocol import APIError
@@ -239,4 +241,70 @@ async def test_tracing_off_leaves_the_request_alone() -> None:
     request = request_for(BLOCKS)
     await router.choose_replicas([fake_replica("r1")], pending(request))
     assert request.trace_context is None
+    assert tracing.finished_spans() == []
+
+
+# ---- the direct path's routing call --------------------------------------------------------
+
+
+async def test_the_routing_call_continues_the_client_and_parents_the_decision(
+    memory: None,
+) -> None:
+    # HAProxy forwards the client's traceparent under Serve's session header (local_ray).
+    client = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "x-request-id": "h1"}
+    trace = router_trace(client, 1_000, truncated=False)
+    request = request_for(BLOCKS)
+    request.trace_context = trace.carrier
+    await make_router().choose_replicas([fake_replica("r1")], pending(request))
+    trace.chose("r1", request)
+    trace.end()
+
+    (call,) = spans_named("prefixmesh.router.request")
+    (route,) = spans_named("prefixmesh.route")
+    assert (call["trace_id"], call["parent_span_id"]) == (CLIENT_TRACE, CLIENT_SPAN)
+    assert call["kind"] == "SERVER" and call["start_ns"] == 1_000
+    assert (route["trace_id"], route["parent_span_id"]) == (CLIENT_TRACE, call["span_id"])
+    assert call["attributes"] == {
+        "prefixmesh.replica": "r1",
+        "prefixmesh.request_id": request.request_id,
+        "prefixmesh.prompt_tokens": len(request.prompt_token_ids),
+    }
+    # What the ticket hands the replica: the decision's context.
+    assert request.trace_context is not None
+    assert route["span_id"] in request.trace_context["traceparent"]
+
+
+@pytest.mark.parametrize(
+    ("truncated", "failure", "reason"),
+    [
+        (True, None, "body_truncated"),
+        (False, None, "invalid_body"),
+        (False, TimeoutError(), "timeout"),
+        (False, RuntimeError("policy bug"), "error"),
+    ],
+)
+def test_a_pick_without_a_decision_names_its_reason(
+    memory: None, truncated: bool, failure: Exception | None, reason: str
+) -> None:
+    trace = router_trace({}, 0, truncated)
+    if failure is not None:
+        trace.fell_back("timeout" if isinstance(failure, TimeoutError) else "error", failure)
+    trace.chose("r2", None)
+    trace.end()
+    (call,) = spans_named("prefixmesh.router.request")
+    assert call["parent_span_id"] is None  # no client context: a root
+    assert call["attributes"]["prefixmesh.replica"] == "r2"
+    assert call["attributes"]["prefixmesh.fallback_reason"] == reason
+    assert call["attributes"].get("prefixmesh.body_truncated", False) is truncated
+    # A deadline is no error worth a stack; anything else is recorded.
+    events = ["exception"] if isinstance(failure, RuntimeError) else []
+    assert [e["name"] for e in call["events"]] == events
+
+
+def test_tracing_off_the_routing_call_is_the_shared_no_op() -> None:
+    tracing.reset()
+    trace = router_trace({"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}, 0, False)
+    assert trace is NO_ROUTER_TRACE and trace.carrier is None
+    trace.chose("r1", None)
+    trace.end()
     assert tracing.finished_spans() == []
