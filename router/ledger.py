@@ -9,9 +9,14 @@ it at its end. Pure; the caller serialises access.
 On the direct path requests reach replicas past Serve's handle, so no first-token or end
 callback arrives: the replicas' reports list the request ids they have seen
 (``seen_requests``), and ``seen`` drops those entries (their load is in the report from then on,
-their claim released), so the ledger holds only what is still on its way to a replica and the
-router adds it to the report. An entry no report ever lists (its client went away before
-HAProxy forwarded it) expires.
+their claim released), so the ledger holds what no report has listed yet and the router adds it
+to the report. That is what is on its way to a replica and what reached it after its latest
+report was taken, finished or not: a report reaches the router through Serve's controller a
+second or more after it was taken, so a router sending short requests fast counts that second's
+worth of them (an upper bound, never a count of what is queued now). An entry no report will
+list (a routing call that fell back after deciding, a client that went away before HAProxy
+forwarded it) goes once its replica lists a request of ours routed ``OVERTAKEN_S`` later, or
+else expires.
 
 It also carries the in-flight claim a decision took for its replica (delay-hit holds across
 routers, ``holds.py``): the router that took a claim releases it, and this is where it learns
@@ -28,6 +33,10 @@ from dataclasses import dataclass
 from prefixmesh.cache_registry.types import BlockHash, ReplicaId
 
 ReleaseClaim = Callable[[BlockHash, ReplicaId], object]
+OVERTAKEN_S = 2.0
+"""An entry a replica's report leaves out while it lists a request of ours routed this much
+later never reached that replica: requests to one replica arrive in the order they were routed,
+give or take a paused process (GC, a busy core) or a long prompt's tokenizing."""
 
 
 @dataclass(slots=True)
@@ -72,27 +81,42 @@ class LoadLedger:
         self._requests[request_id] = _Routed(replica, prefill_tokens, claim=claim, routed_s=now_s)
         return old is None
 
-    def seen(self, request_ids: Iterable[str]) -> int:
-        """Requests a replica reported as arrived (queued, running or finished there): their
-        load is in its report now. Returns how many entries that dropped."""
+    def seen(self, request_ids: Iterable[str], by: ReplicaId | None = None) -> int:
+        """Requests replica ``by`` reported as arrived (queued, running or finished there):
+        their load is in its report now. Its entries routed ``OVERTAKEN_S`` before the newest
+        request of ours it lists will never arrive there: they go too. Returns how many entries
+        that dropped."""
         dropped = 0
+        newest_s: float | None = None
         for request_id in request_ids:
             routed = self._requests.pop(request_id, None)
             if routed is not None:
                 self._release(routed)
                 dropped += 1
+                if routed.routed_s is not None and (newest_s is None or routed.routed_s > newest_s):
+                    newest_s = routed.routed_s
+        if by is not None and newest_s is not None:
+            cutoff_s = newest_s - OVERTAKEN_S
+            dropped += self._drop(
+                k
+                for k, v in self._requests.items()
+                if v.replica == by and v.routed_s is not None and v.routed_s < cutoff_s
+            )
         return dropped
 
     def expire(self, now_s: float, older_than_s: float) -> int:
         """Drop entries routed more than ``older_than_s`` ago that no report ever listed."""
-        stale = [
+        return self._drop(
             k
             for k, v in self._requests.items()
             if v.routed_s is not None and now_s - v.routed_s > older_than_s
-        ]
-        for request_id in stale:
+        )
+
+    def _drop(self, request_ids: Iterable[str]) -> int:
+        lost = list(request_ids)  # collected before the dict changes under the iteration
+        for request_id in lost:
             self._release(self._requests.pop(request_id))
-        return len(stale)
+        return len(lost)
 
     def first_token(self, request_id: str) -> None:
         routed = self._requests.get(request_id)

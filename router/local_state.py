@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixmesh.cache_registry.memory import RegistryState
+from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.router.ledger import LoadLedger
 from prefixmesh.router.metrics import RouterMetrics
 from prefixmesh.wire import ReplicaReport
@@ -53,15 +54,16 @@ class LocalRouterState:
         expiry_s: float,
     ) -> None:
         """The direct path's load accounting (caller holds the lock): drop the ledger entries
-        the replicas' reports list as seen, each report once, and expire entries no report
-        ever listed. A report may come as its wire dict (``replica_stats``)."""
+        the replicas' reports list as seen, and those each report shows will never arrive
+        (``LoadLedger.seen``), each report once, and expire entries no report ever listed. A
+        report may come as its wire dict (``replica_stats``)."""
         for replica, report in reports:
             if not isinstance(report, ReplicaReport):
                 report = ReplicaReport.from_wire(report)
             if self._applied.get(replica) is report:
                 continue
             self._applied[replica] = report
-            self.ledger.seen(report.seen_requests)
+            self.ledger.seen(report.seen_requests, by=ReplicaId(replica))
         self.ledger.expire(now_s, expiry_s)
 
     def forget(self, replica: str) -> None:

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from prefixmesh.cache_registry.types import BlockHash, ReplicaId
-from prefixmesh.router.ledger import LedgerLoad, LoadLedger
+from prefixmesh.router.ledger import OVERTAKEN_S, LedgerLoad, LoadLedger
 
 A, B = ReplicaId("a"), ReplicaId("b")
 
@@ -85,3 +85,25 @@ def test_entries_no_report_ever_lists_expire() -> None:
     ledger.routed("new", A, 100, now_s=9.0)
     assert ledger.expire(now_s=10.0, older_than_s=5.0) == 1
     assert ledger.load() == {A: LedgerLoad(1, 0, 100)}
+
+
+def test_an_entry_overtaken_by_a_later_listed_one_never_arrived() -> None:
+    """Requests to one replica arrive in the order they were routed: one its report leaves out
+    while it lists ours routed OVERTAKEN_S later was lost on the way (a routing call that fell
+    back after deciding, a client that left) and stops counting now, not at the expiry."""
+    released: list[tuple[BlockHash, ReplicaId]] = []
+    ledger = LoadLedger(lambda claim, replica: released.append((claim, replica)))
+    ledger.routed("lost", A, 300, BlockHash(7), now_s=10.0)
+    ledger.routed("just-before", A, 100, now_s=10.0 + OVERTAKEN_S - 0.5)
+    ledger.routed("elsewhere", B, 50, now_s=10.0)
+    ledger.routed("listed", A, 100, now_s=10.0 + OVERTAKEN_S + 0.5)
+    assert ledger.seen(["listed"], by=A) == 2
+    assert released == [(BlockHash(7), A)]
+    # One routed shortly before may still be on its way; another replica's report says it.
+    assert ledger.load() == {A: LedgerLoad(1, 0, 100), B: LedgerLoad(1, 0, 50)}
+    # Redispatched to B: B lists it, and what B lists dates B's report, not A's entries.
+    ledger.routed("moved", A, 100, now_s=20.0)
+    assert ledger.seen(["moved"], by=B) == 2  # "moved", and B's "elsewhere" it overtook
+    assert ledger.load() == {A: LedgerLoad(1, 0, 100)}
+    # A report listing nothing new of ours says nothing about what is on its way.
+    assert ledger.seen(["listed", "someone-elses"], by=A) == 0

@@ -12,7 +12,7 @@ from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import load_config
 from prefixmesh.loadtest.fleet import SimReplica, report
 from prefixmesh.replica.model.profile import H100_LLAMA8B
-from prefixmesh.router.ledger import LedgerLoad
+from prefixmesh.router.ledger import OVERTAKEN_S, LedgerLoad
 from prefixmesh.router.local_state import LocalRouterState
 from prefixmesh.router.policy.base import ReplicaSnapshot
 from prefixmesh.router.replica_load import (
@@ -85,3 +85,18 @@ def test_each_report_drops_what_it_lists_once() -> None:
     # A report in its wire form (``replica_stats``) is read as well; old entries expire.
     state.apply_reports([(R, {"seen_requests": ["a"]})], now_s=61.0, expiry_s=60.0)
     assert len(state.ledger) == 0
+
+
+def test_a_decision_whose_request_never_arrives_stops_counting_once_overtaken() -> None:
+    """A routing call that times out after the decision was recorded answers HAProxy with a
+    load-balanced pick and no ticket: the replica serves the request under an id of its own, so
+    no report lists the decision's. It stops counting on its replica as soon as that replica's
+    report lists a request of ours routed OVERTAKEN_S later, not at the 600 s expiry."""
+    state = local()
+    state.ledger.routed("fell-back", R, 100, now_s=0.0)
+    state.ledger.routed("served", R, 100, now_s=OVERTAKEN_S + 1.0)
+    reports = [(R, ReplicaReport(queued_requests=1, seen_requests=("served", "own-id")))]
+    state.apply_reports(reports, now_s=OVERTAKEN_S + 1.5, expiry_s=600.0)
+    assert len(state.ledger) == 0
+    snapshot = snapshot_of(R, reports[0][1], ASSUMED, state.ledger.load().get(R, LedgerLoad()))
+    assert snapshot.queued_requests == 1  # the report's, and nothing of the ledger's
