@@ -263,6 +263,10 @@ class RoutingCore:
             first_time = self.local.ledger.routed(
                 request.request_id, chosen, max(uncached, 0), claim, time.monotonic()
             )
+            counted = len(self.local.ledger)
+        # Here, not when the router's own text is read: Ray's agent (the cluster view) takes
+        # the value every few seconds, and on the direct path nobody reads that text.
+        self.metrics.ongoing.set(counted)
         if not first_time:
             return hit
         self.policy.on_routed(route, chosen, time.monotonic())

@@ -57,11 +57,15 @@ FALLBACKS = CounterSpec(
 )
 REPLICA_LOAD = GaugeSpec(
     "prefixmesh_replica_load",
-    "Each replica's load as the router saw it at its latest decision",
+    "Each replica's load as the router weighed it at its latest decision, an estimate: on the "
+    "direct path its latest report plus the requests routed there since that no report lists "
+    "yet, all counted queued (finished or not: reports lag a second or more)",
     ("replica", "field"),
 )
 ONGOING = GaugeSpec(
-    "prefixmesh_router_ongoing_requests", "Requests this router has sent and not yet seen finish"
+    "prefixmesh_router_ongoing_requests",
+    "Requests this router counts as sent and not done (its ledger, at its latest decision): "
+    "not yet seen finish (proxy path), or not yet listed by a replica's report (direct path)",
 )
 ROUTER_METRICS = (
     DECISIONS,

@@ -12,7 +12,9 @@ from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.router.decide import Candidate, RoutingCore
 from prefixmesh.router.local_state import LocalRouterState
+from prefixmesh.router.metrics import RouterMetrics
 from prefixmesh.wire import GenerateRequest, ReplicaReport, SamplingSettings
+from tests.unit.metrics.test_sinks import Recording
 
 REPLICAS = [ReplicaId(f"r{i}") for i in range(4)]
 CANDIDATES = [Candidate(r, ReplicaReport()) for r in REPLICAS]
@@ -59,3 +61,20 @@ async def test_every_call_goes_to_the_registry_it_was_given() -> None:
     core.forget(routed.chosen)
     await core.settle()
     assert elsewhere.lookup(key, REPLICAS) == {}
+
+
+async def test_the_cluster_view_gets_the_ledgers_size_at_each_decision() -> None:
+    """Ray's agent takes a gauge's value every few seconds: one set only when the router's own
+    text is read (nobody reads it on the direct path) would never reach it."""
+    cfg = config()
+    cluster = Recording()
+    local = LocalRouterState(make_memory_state(cfg), metrics=RouterMetrics(cluster))
+    core = RoutingCore(cfg, local)
+    first, second = request(cfg, 1), request(cfg, 2)
+    await core.decide(first, CANDIDATES)
+    await core.decide(second, CANDIDATES)
+    # The direct path (the default): reports listing both drop them at the next decision.
+    seen = ReplicaReport(seen_requests=(first.request_id, second.request_id))
+    await core.decide(request(cfg, 3), [Candidate(r, seen) for r in REPLICAS])
+    ongoing = [c for c in cluster.calls if c[0] == "prefixmesh_router_ongoing_requests"]
+    assert ongoing == [("prefixmesh_router_ongoing_requests", (), "set", n) for n in (1, 2, 1)]
