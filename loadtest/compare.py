@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -361,8 +362,15 @@ def ttfts_of(folder: Path) -> list[float]:
 # ---- main ----------------------------------------------------------------------------------------
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str], prog: str = "compare") -> int:
     args = parse_args(argv, prog)
+    # SIGTERM unwinds like Ctrl-C, so the replica servers, peers, Ray and HAProxy it started
+    # are stopped on the way out instead of left running.
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     routers = [r for r in args.routers.split(",") if r]
     report = args.report.resolve()
