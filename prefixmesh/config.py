@@ -585,6 +585,14 @@ class PrefixmeshConfig(_Section):
     app_name: str = "prefixmesh"
     """Ray Serve application name."""
 
+    @property
+    def progress_to_router(self) -> bool:
+        """Replicas tell the router when each request reaches its first token and when it ends
+        (``replica/progress.py``): on the direct path Serve's callbacks do not run, and with
+        the in-process registry the one router is where the replicas' events go already. Its
+        ledger is then as exact as the proxy path's."""
+        return self.serving.path == "direct" and self.registry.backend == "memory"
+
     @model_validator(mode="after")
     def _check(self) -> PrefixmeshConfig:
         if self.ingress.num_replicas > 1 and self.registry.backend == "memory":

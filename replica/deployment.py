@@ -25,6 +25,7 @@ from prefixmesh.metrics.sink import PrometheusSink, Tee
 from prefixmesh.replica.coalesce import coalesced
 from prefixmesh.replica.engines.base import Engine, EngineRequest, HeldMirror
 from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
+from prefixmesh.replica.progress import ProgressReporter
 from prefixmesh.replica.publisher import EventPublisher, EventTarget
 from prefixmesh.replica.runtime_watch import RuntimeWatch
 from prefixmesh.replica.spans import replica_trace
@@ -35,6 +36,7 @@ from prefixmesh.wire import (
     ReplicaCounters,
     ReplicaReport,
 )
+from prefixmesh.wire.request_progress import RequestProgress
 
 logger = logging.getLogger(__name__)
 FINISHED_IDS_KEPT = 1024
@@ -50,13 +52,19 @@ class IngressEventTarget:
         self._ingress_name = ingress_name
         self._handle: Any = None
 
-    async def publish(self, events: Sequence[CacheEvent]) -> list[PublishResult]:
+    def _router(self) -> Any:
         from ray import serve
 
         if self._handle is None:
             self._handle = serve.get_deployment_handle(self._ingress_name, self._app_name)
+        return self._handle
+
+    async def request_progress(self, progress: RequestProgress) -> None:
+        await self._router().request_progress.remote(progress)
+
+    async def publish(self, events: Sequence[CacheEvent]) -> list[PublishResult]:
         try:
-            results: list[PublishResult] = await self._handle.ingest_cache_events.remote(
+            results: list[PublishResult] = await self._router().ingest_cache_events.remote(
                 list(events)
             )
         except Exception as exc:  # the ingress restarting: resync once it is back
@@ -132,6 +140,7 @@ class ReplicaServer:
 
     _registry: Any = None  # a server built without __init__ (unit tests) has none
     runtime: RuntimeWatch | None = None
+    progress: ProgressReporter | None = None
 
     async def __init__(self, config_json: str, model_path: str, ingress_name: str) -> None:
         from ray import serve
@@ -143,12 +152,16 @@ class ReplicaServer:
         rank = context.rank.rank if hasattr(context.rank, "rank") else int(context.rank)
         self._registry: Any = None
         target: EventTarget
+        self.progress: ProgressReporter | None = None
         if self.config.registry.backend == "redis":
             self._registry = make_registry(self.config)
             await self._registry.connect()
             target = self._registry
         else:
-            target = IngressEventTarget(self.config.app_name, ingress_name)
+            target = router = IngressEventTarget(self.config.app_name, ingress_name)
+            if self.config.progress_to_router:
+                interval_s = self.config.replica.publish_interval_ms / 1000
+                self.progress = ProgressReporter(self.replica_id, router, interval_s)
         self.holds = ReplicaHolds(HoldSettings.from_config(self.config))
         self._resident = HeldMirror()
         """What the engine holds, from its changes: a hold waits only for blocks not here."""
@@ -169,6 +182,8 @@ class ReplicaServer:
         )
         await self.engine.start()
         self.publisher.start()
+        if self.progress is not None:
+            self.progress.start()
         self.runtime_metrics = PrometheusSink()
         """GC pauses, loop lag and the engine's token intervals: this replica's own text (the
         direct path's /metrics) and the cluster view."""
@@ -213,6 +228,8 @@ class ReplicaServer:
             async for chunk in stream:
                 if in_prefill:
                     in_prefill = False
+                    if self.progress is not None:
+                        self.progress.first_token(rid)
                     inflight.finished(rid)
                     self._prefill_tokens.pop(rid, None)
                     self._running.add(rid)
@@ -231,6 +248,8 @@ class ReplicaServer:
             trace.failed(exc)
             raise
         finally:
+            if self.progress is not None:
+                self.progress.finished(rid)
             inflight.finished(rid)
             self._prefill_tokens.pop(rid, None)
             self._running.discard(rid)
@@ -293,6 +312,8 @@ class ReplicaServer:
     async def shutdown(self) -> None:
         if self.runtime is not None:
             await self.runtime.stop()
+        if self.progress is not None:
+            await self.progress.stop()
         await self.publisher.stop()  # no heartbeat may race the final flush or the drop
         await self.publisher.flush()
         if self._registry is not None:

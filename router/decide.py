@@ -122,7 +122,10 @@ class RoutingCore:
         self._direct = config.serving.path == "direct"
         """Requests reach replicas past Serve's handle: no first-token or end callbacks; the
         replicas' reports list the requests they have seen (``LoadLedger.seen``)."""
-        self._load_rule = load_rule(self._direct, config.ingress.num_replicas == 1)
+        self._progress_pushed = config.progress_to_router
+        self._load_rule = load_rule(
+            self._direct, config.ingress.num_replicas == 1, self._progress_pushed
+        )
         self._unseen_expiry_s = config.ingress.request_timeout_s
         self.metrics = local.metrics
         self.backend = config.registry.backend
@@ -187,7 +190,12 @@ class RoutingCore:
         with self.local.lock:
             if self._direct:
                 reports = [(c.replica_id, c.report) for c in candidates]
-                self.local.apply_reports(reports, time.monotonic(), self._unseen_expiry_s)
+                self.local.apply_reports(
+                    reports,
+                    time.monotonic(),
+                    self._unseen_expiry_s,
+                    progress_pushed=self._progress_pushed,
+                )
             ledger = self.local.ledger.load()
         snapshots = []
         for candidate in candidates:

@@ -7,7 +7,9 @@ once (queued, pending prefill tokens), moves a request to running at its first t
 it at its end. Pure; the caller serialises access.
 
 On the direct path requests reach replicas past Serve's handle, so no first-token or end
-callback arrives: the replicas' reports list the request ids they have seen
+callback arrives. With the in-process registry the replicas send them instead
+(``progressed``, ``replica/progress.py``), within a publish interval. Otherwise the replicas'
+reports list the request ids they have seen
 (``seen_requests``), and ``seen`` drops those entries (their load is in the report from then on,
 their claim released), so the ledger holds what no report has listed yet and the router adds it
 to the report. That is what is on its way to a replica and what reached it after its latest
@@ -37,6 +39,12 @@ OVERTAKEN_S = 2.0
 """An entry a replica's report leaves out while it lists a request of ours routed this much
 later never reached that replica: requests to one replica arrive in the order they were routed,
 give or take a paused process (GC, a busy core) or a long prompt's tokenizing."""
+
+
+def _later(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None or a >= b else b
 
 
 @dataclass(slots=True)
@@ -93,16 +101,40 @@ class LoadLedger:
             if routed is not None:
                 self._release(routed)
                 dropped += 1
-                if routed.routed_s is not None and (newest_s is None or routed.routed_s > newest_s):
-                    newest_s = routed.routed_s
+                newest_s = _later(newest_s, routed.routed_s)
         if by is not None and newest_s is not None:
-            cutoff_s = newest_s - OVERTAKEN_S
-            dropped += self._drop(
-                k
-                for k, v in self._requests.items()
-                if v.replica == by and v.routed_s is not None and v.routed_s < cutoff_s
-            )
+            dropped += self._drop_overtaken(by, newest_s, queued_only=False)
         return dropped
+
+    def progressed(
+        self, by: ReplicaId, first_tokens: Iterable[str], finished: Iterable[str]
+    ) -> int:
+        """Replica ``by`` says which requests reached their first token and which ended (the
+        direct path's stand-in for Serve's callbacks): as ``first_token`` and ``finished``, and
+        its queued entries routed ``OVERTAKEN_S`` before the newest one that reached its first
+        token will never arrive. Returns how many entries that dropped."""
+        newest_s: float | None = None
+        for request_id in first_tokens:
+            routed = self._requests.get(request_id)
+            if routed is not None:
+                newest_s = _later(newest_s, routed.routed_s)
+            self.first_token(request_id)
+        for request_id in finished:
+            self.finished(request_id)
+        if newest_s is None:
+            return 0
+        return self._drop_overtaken(by, newest_s, queued_only=True)
+
+    def _drop_overtaken(self, by: ReplicaId, newest_s: float, *, queued_only: bool) -> int:
+        cutoff_s = newest_s - OVERTAKEN_S
+        return self._drop(
+            k
+            for k, v in self._requests.items()
+            if v.replica == by
+            and v.routed_s is not None
+            and v.routed_s < cutoff_s
+            and not (queued_only and v.running)
+        )
 
     def expire(self, now_s: float, older_than_s: float) -> int:
         """Drop entries routed more than ``older_than_s`` ago that no report ever listed."""

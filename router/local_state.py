@@ -20,6 +20,7 @@ from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.router.ledger import LoadLedger
 from prefixmesh.router.metrics import RouterMetrics
 from prefixmesh.wire import ReplicaReport
+from prefixmesh.wire.request_progress import RequestProgress
 
 
 @dataclass
@@ -47,16 +48,30 @@ class LocalRouterState:
         self._reports[replica] = (stats, report)
         return report
 
+    def apply_progress(self, progress: RequestProgress) -> None:
+        """The direct path with replicas that say when requests reach their first token and
+        end (``PrefixmeshConfig.progress_to_router``): the ledger moves as Serve's callbacks
+        move it on the proxy path (caller holds the lock)."""
+        replica = ReplicaId(progress.replica)
+        self.ledger.progressed(replica, progress.first_tokens, progress.finished)
+
     def apply_reports(
         self,
         reports: Iterable[tuple[str, ReplicaReport | Mapping[str, Any]]],
         now_s: float,
         expiry_s: float,
+        *,
+        progress_pushed: bool = False,
     ) -> None:
         """The direct path's load accounting (caller holds the lock): drop the ledger entries
         the replicas' reports list as seen, and those each report shows will never arrive
         (``LoadLedger.seen``), each report once, and expire entries no report ever listed. A
-        report may come as its wire dict (``replica_stats``)."""
+        report may come as its wire dict (``replica_stats``). With ``progress_pushed`` the
+        replicas' progress keeps the ledger exact and reports change nothing: only entries
+        whose end never came expire."""
+        if progress_pushed:
+            self.ledger.expire(now_s, expiry_s)
+            return
         for replica, report in reports:
             if not isinstance(report, ReplicaReport):
                 report = ReplicaReport.from_wire(report)

@@ -47,8 +47,10 @@ def larger_of(report: ReplicaReport, own: LedgerLoad) -> LedgerLoad:
     )
 
 
-def load_rule(direct: bool, sole_router: bool) -> LoadRule:
-    if direct:
+def load_rule(direct: bool, sole_router: bool, progress_pushed: bool = False) -> LoadRule:
+    """``progress_pushed``: the replicas tell this router of first tokens and ends, so its
+    ledger is as exact on the direct path as Serve's callbacks make it on the proxy path."""
+    if direct and not progress_pushed:
         return report_plus_ledger
     return ledger_only if sole_router else larger_of
 

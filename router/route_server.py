@@ -45,6 +45,7 @@ from prefixmesh.wire.openai_protocol import (
     parse_body,
 )
 from prefixmesh.wire.openai_render import PromptEncoder, check_model, new_request_id
+from prefixmesh.wire.request_progress import RequestProgress
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 
 logger = logging.getLogger(__name__)
@@ -170,9 +171,19 @@ class RouterServer:
         stats = self._local.replica_stats()
         reports = [(str(s["replica_id"]), s) for s in stats]
         with self._local.lock:
-            self._local.apply_reports(reports, time.monotonic(), self._unseen_expiry_s)
+            self._local.apply_reports(
+                reports,
+                time.monotonic(),
+                self._unseen_expiry_s,
+                progress_pushed=self.config.progress_to_router,
+            )
             in_flight = len(self._local.ledger)
         return {"routed": self.routed, "fallbacks": self.fallbacks, "in_flight": in_flight}
+
+    async def request_progress(self, progress: RequestProgress) -> None:
+        """Replicas' first tokens and ends (``PrefixmeshConfig.progress_to_router``)."""
+        with self._local.lock:
+            self._local.apply_progress(progress)
 
     async def ingest_cache_events(self, events: list[CacheEvent]) -> list[PublishResult]:
         """In-process registry mode: replicas send their cache events here."""

@@ -138,11 +138,12 @@ def test_gets_reach_the_replicas(direct: tuple[Cluster, PrefixmeshConfig]) -> No
     assert "prefixmesh_ttft_seconds_bucket" in text
 
 
-def test_the_router_learns_finished_requests_from_the_replicas_reports(
+def test_the_router_learns_finished_requests_from_the_replicas(
     direct: tuple[Cluster, PrefixmeshConfig],
 ) -> None:
-    """No Serve callback tells the router a request finished: the replicas' reports list the
-    requests they have seen, and the router's ledger drops them (600 s before expiry)."""
+    """No Serve callback tells the router a request finished: the replicas send their first
+    tokens and ends (in-process registry, as here; with Redis their reports list the requests
+    they have seen), and the router's ledger drops them (600 s before expiry)."""
     cluster, config = direct
     handle = router(config)
     threads = [
@@ -159,7 +160,7 @@ def test_the_router_learns_finished_requests_from_the_replicas_reports(
     wait_for(
         lambda: handle.counts.remote().result()["in_flight"] == 0,
         10,
-        "the router's ledger to empty after the replicas reported",
+        "the router's ledger to empty after the replicas said the requests ended",
     )
     metrics = handle.router_metrics.remote().result()
     assert "prefixmesh_routing_decisions_total" in metrics

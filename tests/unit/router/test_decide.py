@@ -14,6 +14,7 @@ from prefixmesh.router.decide import Candidate, RoutingCore
 from prefixmesh.router.local_state import LocalRouterState
 from prefixmesh.router.metrics import RouterMetrics
 from prefixmesh.wire import GenerateRequest, ReplicaReport, SamplingSettings
+from prefixmesh.wire.request_progress import RequestProgress
 from tests.unit.metrics.test_sinks import Recording
 
 REPLICAS = [ReplicaId(f"r{i}") for i in range(4)]
@@ -73,8 +74,10 @@ async def test_the_cluster_view_gets_the_ledgers_size_at_each_decision() -> None
     first, second = request(cfg, 1), request(cfg, 2)
     await core.decide(first, CANDIDATES)
     await core.decide(second, CANDIDATES)
-    # The direct path (the default): reports listing both drop them at the next decision.
-    seen = ReplicaReport(seen_requests=(first.request_id, second.request_id))
-    await core.decide(request(cfg, 3), [Candidate(r, seen) for r in REPLICAS])
+    # The direct path with the in-process registry (the default): the replicas say both ended.
+    for replica in REPLICAS:
+        ended = RequestProgress(replica, (), (first.request_id, second.request_id))
+        local.apply_progress(ended)
+    await core.decide(request(cfg, 3), CANDIDATES)
     ongoing = [c for c in cluster.calls if c[0] == "prefixmesh_router_ongoing_requests"]
     assert ongoing == [("prefixmesh_router_ongoing_requests", (), "set", n) for n in (1, 2, 1)]

@@ -107,3 +107,26 @@ def test_an_entry_overtaken_by_a_later_listed_one_never_arrived() -> None:
     assert ledger.load() == {A: LedgerLoad(1, 0, 100)}
     # A report listing nothing new of ours says nothing about what is on its way.
     assert ledger.seen(["listed", "someone-elses"], by=A) == 0
+
+
+def test_progress_moves_entries_and_drops_queued_ones_overtaken() -> None:
+    """A decision whose request never reaches its replica (a routing call that fell back after
+    deciding) stops counting once the replica reaches the first token of a request of ours
+    routed OVERTAKEN_S later; a request of ours already running there stays."""
+    from prefixmesh.router.ledger import OVERTAKEN_S
+
+    released: list[object] = []
+    ledger = LoadLedger(release_claim=lambda claim, replica: released.append(claim))
+    r = ReplicaId("r")
+    ledger.routed("running", r, 10, now_s=0.0)
+    ledger.progressed(r, first_tokens=("running",), finished=())
+    ledger.routed("fell-back", r, 10, claim=BlockHash(7), now_s=0.5)
+    ledger.routed("other-replica", ReplicaId("q"), 10, now_s=0.5)
+    ledger.routed("late", r, 10, now_s=OVERTAKEN_S + 1.0)
+    assert ledger.progressed(r, first_tokens=("late",), finished=()) == 1
+    assert ledger.replica_of("fell-back") is None
+    assert released == [BlockHash(7)]
+    assert ledger.load()[r] == LedgerLoad(0, 2, 0)
+    assert ledger.replica_of("other-replica") == ReplicaId("q")
+    assert ledger.progressed(r, first_tokens=(), finished=("running", "late", "unknown")) == 0
+    assert r not in ledger.load()

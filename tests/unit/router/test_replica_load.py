@@ -100,3 +100,29 @@ def test_a_decision_whose_request_never_arrives_stops_counting_once_overtaken() 
     assert len(state.ledger) == 0
     snapshot = snapshot_of(R, reports[0][1], ASSUMED, state.ledger.load().get(R, LedgerLoad()))
     assert snapshot.queued_requests == 1  # the report's, and nothing of the ledger's
+
+
+def test_with_progress_pushed_the_direct_path_weighs_the_ledger_alone() -> None:
+    assert load_rule(direct=True, sole_router=True, progress_pushed=True) is ledger_only
+    assert load_rule(direct=True, sole_router=False, progress_pushed=False) is report_plus_ledger
+
+
+def test_with_progress_pushed_reports_drop_nothing_and_progress_moves_the_ledger() -> None:
+    """A report lists requests that are still running: with the replicas' progress keeping the
+    ledger exact, dropping them would make the replica look idle."""
+    from prefixmesh.wire.request_progress import RequestProgress
+
+    state = local()
+    state.ledger.routed("a", R, 100, now_s=0.0)
+    state.ledger.routed("b", R, 200, now_s=0.0)
+    listed = ReplicaReport(seen_requests=("a", "b"))
+    state.apply_reports([(R, listed)], now_s=1.0, expiry_s=60.0, progress_pushed=True)
+    assert state.ledger.load()[R] == LedgerLoad(2, 0, 300)
+    state.apply_progress(RequestProgress(R, first_tokens=("a",), finished=()))
+    assert state.ledger.load()[R] == LedgerLoad(1, 1, 200)
+    state.apply_progress(RequestProgress(R, first_tokens=("b",), finished=("a", "b")))
+    assert len(state.ledger) == 0
+    # An entry whose end never comes still expires.
+    state.ledger.routed("lost", R, 100, now_s=2.0)
+    state.apply_reports([], now_s=63.0, expiry_s=60.0, progress_pushed=True)
+    assert len(state.ledger) == 0

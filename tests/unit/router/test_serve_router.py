@@ -161,11 +161,12 @@ async def test_a_call_without_a_prompt_goes_to_the_less_loaded_of_two() -> None:
 
 
 def test_the_direct_path_counts_a_report_plus_what_no_report_lists_yet() -> None:
-    """No Serve callback says when a request finished on the direct path: a replica's report
-    counts what reached it, the ledger what was routed since and not yet listed."""
+    """No Serve callback says when a request finished on the direct path, and with a shared
+    registry no replica tells this router either: a replica's report counts what reached it,
+    the ledger what was routed since and not yet listed."""
     from prefixmesh.router.decide import Candidate
 
-    router = make_router()  # serving.path=direct, the default
+    router = make_router("registry.backend=redis")  # serving.path=direct, the default
     core, local = router._core, router._local
     with local.lock:
         local.ledger.routed("arrived", ReplicaId("r1"), 500, now_s=time.monotonic())
@@ -175,3 +176,23 @@ def test_the_direct_path_counts_a_report_plus_what_no_report_lists_yet() -> None
     assert (snapshot.queued_requests, snapshot.running_requests) == (2, 2)
     assert snapshot.pending_prefill_tokens == 800
     assert len(local.ledger) == 1
+
+
+def test_the_direct_path_with_replicas_progress_counts_the_ledger_alone() -> None:
+    """With the in-process registry the replicas say when requests reach their first token and
+    end: the ledger is exact, and a report a second old (still counting what has finished
+    since) is not added to it."""
+    from prefixmesh.router.decide import Candidate
+    from prefixmesh.wire.request_progress import RequestProgress
+
+    router = make_router()  # direct path, in-process registry: the defaults
+    core, local = router._core, router._local
+    with local.lock:
+        local.ledger.routed("running", ReplicaId("r1"), 500, now_s=time.monotonic())
+        local.ledger.routed("on-its-way", ReplicaId("r1"), 300, now_s=time.monotonic())
+        local.apply_progress(RequestProgress("r1", ("running",), ()))
+    stale = ReplicaReport(3, 4, 900, seen_requests=("running", "finished-since"))
+    [snapshot] = core.snapshots([Candidate(ReplicaId("r1"), stale)])
+    assert (snapshot.queued_requests, snapshot.running_requests) == (1, 1)
+    assert snapshot.pending_prefill_tokens == 300
+    assert len(local.ledger) == 2
