@@ -57,9 +57,10 @@ FALLBACKS = CounterSpec(
 )
 REPLICA_LOAD = GaugeSpec(
     "prefixmesh_replica_load",
-    "Each replica's load as the router weighed it at its latest decision, an estimate: on the "
-    "direct path its latest report plus the requests routed there since that no report lists "
-    "yet, all counted queued (finished or not: reports lag a second or more)",
+    "Each replica's load as the router weighed it at its latest decision: its ledger (Serve's "
+    "callbacks, or the replicas' progress on the direct path); on the direct path with Redis "
+    "an estimate, the latest report plus the requests routed since that no report lists yet, "
+    "counted queued finished or not (reports lag a second or more)",
     ("replica", "field"),
 )
 ONGOING = GaugeSpec(
