@@ -1,23 +1,30 @@
-"""Tracing on the real cluster (sim, one replica, ``telemetry.tracing=memory``): a request's
-ingress, routing and replica spans form one trace across the Serve handle call, continuing the
-client's ``traceparent``."""
+"""Tracing on the real cluster (sim, one replica, ``telemetry.tracing=memory``), on both serving
+paths: a request's spans form one trace that continues the client's ``traceparent``.
+
+Proxy path: client -> ``prefixmesh.request`` (ingress) -> ``prefixmesh.route`` -> the replica's
+spans, across the Serve handle call. Direct path: client -> ``prefixmesh.router.request``
+(HAProxy's routing call; HAProxy hands the router the client's header under Serve's session
+header) -> ``prefixmesh.route`` -> the replica's spans, through the router's ticket."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
-from prefixmesh.app import REPLICA_NAME
+from prefixmesh.app import INGRESS_NAME, REPLICA_NAME, ROUTER_NAME
 from prefixmesh.config import PrefixmeshConfig
 from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "demo-tiny"
 DOCUMENT = " ".join(f"clause {i}: the party of the {i}th part shall comply." for i in range(120))
+CLIENT_SPAN = "b7ad6b7169203331"
 REPLICA_SPANS = {
     "prefixmesh.replica.generate",
     "prefixmesh.replica.queue",
@@ -26,32 +33,84 @@ REPLICA_SPANS = {
 }
 
 
-@pytest.fixture(scope="module")
-def traced(ray_cluster: Cluster, deploy: Deploy) -> Iterator[tuple[Cluster, PrefixmeshConfig]]:
+@dataclass(frozen=True)
+class ServingPath:
+    override: str
+    front: str
+    """The deployment that makes the request's first span."""
+    front_span: str
+    role: str
+
+
+PATHS = {
+    "proxy": ServingPath(PROXY_PATH, INGRESS_NAME, "prefixmesh.request", "ingress"),
+    "direct": ServingPath(
+        "serving.path=direct", ROUTER_NAME, "prefixmesh.router.request", "router"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Traced:
+    cluster: Cluster
+    config: PrefixmeshConfig
+    path: ServingPath
+
+
+@pytest.fixture(scope="module", params=sorted(PATHS))
+def traced(
+    request: pytest.FixtureRequest, ray_cluster: Cluster, deploy: Deploy
+) -> Iterator[Traced]:
+    path = PATHS[request.param]
     config = deploy(
-        PROXY_PATH, "replica.engine=sim", "replica.num_replicas=1", "telemetry.tracing=memory"
+        path.override, "replica.engine=sim", "replica.num_replicas=1", "telemetry.tracing=memory"
     )
-    yield ray_cluster, config
+    if path.front == ROUTER_NAME:
+        _await_the_router_s_first_decision(ray_cluster, config)
+    yield Traced(ray_cluster, config, path)
 
 
-def _traceparent(trace_id: str, span_id: str = "b7ad6b7169203331") -> str:
-    return f"00-{trace_id}-{span_id}-01"
-
-
-def _spans_of(trace_id: str, cluster: Cluster, config: PrefixmeshConfig) -> list[dict[str, Any]]:
-    """The trace's spans from the ingress process and the replica's, once the replica's four
-    are in (they end just after the response)."""
+def _handle(config: PrefixmeshConfig, name: str) -> Any:
     from ray import serve
 
-    handle = serve.get_deployment_handle(REPLICA_NAME, config.app_name)
+    return serve.get_deployment_handle(name, config.app_name)
+
+
+def _await_the_router_s_first_decision(cluster: Cluster, config: PrefixmeshConfig) -> None:
+    """The router's first calls may come before its handle knows the replica (a blind pick,
+    no decision span): the tests start once it decides."""
+    router = _handle(config, ROUTER_NAME)
+    deadline = time.monotonic() + 60
+    while router.counts.remote().result(timeout_s=30)["routed"] < 1:
+        assert time.monotonic() < deadline, "the router made no decision"
+        body = {"model": MODEL, "prompt": "warm up", "max_tokens": 1}
+        httpx.post(f"{cluster.base_url}/v1/completions", json=body, timeout=60)
+        time.sleep(0.1)
+
+
+def _traceparent(trace_id: str) -> str:
+    return f"00-{trace_id}-{CLIENT_SPAN}-01"
+
+
+def _front_spans(traced: Traced) -> list[dict[str, Any]]:
+    if traced.path.front == INGRESS_NAME:
+        return list(httpx.get(f"{traced.cluster.base_url}/admin/traces", timeout=30).json())
+    # On the direct path GETs go to the replicas: ask the router through its handle.
+    return list(_handle(traced.config, ROUTER_NAME).traces.remote().result(timeout_s=30))
+
+
+def _spans_of(trace_id: str, traced: Traced) -> dict[str, dict[str, Any]]:
+    """The trace's spans by name from the front process and the replica's, once the replica's
+    four are in (they end just after the response)."""
+    replica = _handle(traced.config, REPLICA_NAME)
+    wanted = REPLICA_SPANS | {traced.path.front_span, "prefixmesh.route"}
     deadline = time.monotonic() + 20
     while True:
-        ingress = httpx.get(f"{cluster.base_url}/admin/traces", timeout=30).json()
-        replica = handle.exported_spans.remote().result(timeout_s=30)
-        spans = [s for s in ingress + replica if s["trace_id"] == trace_id]
+        exported = replica.exported_spans.remote().result(timeout_s=30)
+        spans = [s for s in _front_spans(traced) + exported if s["trace_id"] == trace_id]
         names = {s["name"] for s in spans}
-        if REPLICA_SPANS | {"prefixmesh.request", "prefixmesh.route"} <= names:
-            return spans
+        if wanted <= names:
+            return _by_name(spans)
         if time.monotonic() > deadline:
             raise AssertionError(f"spans of {trace_id}: {sorted(names)}")
         time.sleep(0.2)
@@ -76,43 +135,49 @@ def _complete(cluster: Cluster, trace_id: str, stream: bool = False) -> httpx.Re
     return response
 
 
-def test_one_trace_from_the_client_to_the_replica(
-    traced: tuple[Cluster, PrefixmeshConfig],
-) -> None:
-    cluster, config = traced
+def test_one_trace_from_the_client_to_the_replica(traced: Traced) -> None:
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
-    response = _complete(cluster, trace_id)
-    spans = _by_name(_spans_of(trace_id, cluster, config))
+    client = openai.OpenAI(
+        base_url=f"{traced.cluster.base_url}/v1", api_key="unused", max_retries=0
+    )
+    raw = client.completions.with_raw_response.create(
+        model=MODEL,
+        prompt=DOCUMENT,
+        max_tokens=4,
+        extra_headers={"traceparent": _traceparent(trace_id)},
+    )
+    assert raw.parse().usage is not None
+    spans = _spans_of(trace_id, traced)
 
-    request, route = spans["prefixmesh.request"], spans["prefixmesh.route"]
+    front, route = spans[traced.path.front_span], spans["prefixmesh.route"]
     generate = spans["prefixmesh.replica.generate"]
-    assert request["parent_span_id"] == "b7ad6b7169203331"  # the client's span
-    assert route["parent_span_id"] == request["span_id"]
-    assert generate["parent_span_id"] == route["span_id"]  # across the handle call
+    assert front["parent_span_id"] == CLIENT_SPAN  # the client's span
+    assert route["parent_span_id"] == front["span_id"]
+    assert generate["parent_span_id"] == route["span_id"]  # across the handle call or ticket
     for phase in ("queue", "prefill", "decode"):
         assert spans[f"prefixmesh.replica.{phase}"]["parent_span_id"] == generate["span_id"]
-    assert request["role"] == route["role"] == "ingress"
+    assert front["role"] == route["role"] == traced.path.role
     assert generate["role"] == "replica"
+    assert generate["links"] == []  # one trace: nothing to link
 
-    replica = response.headers["x-prefixmesh-replica"]
-    assert route["attributes"]["prefixmesh.policy"] == config.routing.policy
+    replica = raw.headers["x-prefixmesh-replica"]
+    assert route["attributes"]["prefixmesh.policy"] == traced.config.routing.policy
     assert route["attributes"]["prefixmesh.replica"] == replica
     assert generate["attributes"]["prefixmesh.replica"] == replica
-    assert request["attributes"]["prefixmesh.replica"] == replica
+    assert front["attributes"]["prefixmesh.replica"] == replica
     assert generate["attributes"]["prefixmesh.output_tokens"] == 4
     assert [e["name"] for e in spans["prefixmesh.replica.prefill"]["events"]] == ["first_token"]
 
 
 def test_a_repeated_prefix_is_traced_as_a_hit_and_a_stream_ends_its_span(
-    traced: tuple[Cluster, PrefixmeshConfig],
+    traced: Traced,
 ) -> None:
-    cluster, config = traced
-    _complete(cluster, "11111111111111111111111111111111")
+    _complete(traced.cluster, "11111111111111111111111111111111")
     time.sleep(0.3)  # the replica's cache events reach the registry
     trace_id = "22222222222222222222222222222222"
-    response = _complete(cluster, trace_id, stream=True)
+    response = _complete(traced.cluster, trace_id, stream=True)
     assert response.text.rstrip().endswith("data: [DONE]")
-    spans = _by_name(_spans_of(trace_id, cluster, config))
+    spans = _spans_of(trace_id, traced)
 
     route = spans["prefixmesh.route"]["attributes"]
     assert route["prefixmesh.matched_blocks"] >= 1
@@ -120,6 +185,10 @@ def test_a_repeated_prefix_is_traced_as_a_hit_and_a_stream_ends_its_span(
     assert route["prefixmesh.registry_outcome"] == "ok"
     generate = spans["prefixmesh.replica.generate"]["attributes"]
     assert generate["prefixmesh.cached_tokens"] >= 128
-    request = spans["prefixmesh.request"]
-    assert request["attributes"]["prefixmesh.stream"] is True
-    assert request["end_ns"] >= spans["prefixmesh.replica.prefill"]["end_ns"]
+    assert generate["prefixmesh.finish_reason"] == "length"
+    front = spans[traced.path.front_span]
+    if traced.path.front == INGRESS_NAME:  # the ingress's span lasts as long as the stream
+        assert front["attributes"]["prefixmesh.stream"] is True
+        assert front["end_ns"] >= spans["prefixmesh.replica.prefill"]["end_ns"]
+    else:  # the router's lasts as long as its routing call
+        assert front["attributes"]["prefixmesh.prompt_tokens"] >= 128
