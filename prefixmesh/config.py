@@ -366,7 +366,8 @@ class IngressConfig(_Section):
     port: int = Field(default=8000, ge=1, le=65535)
     """HTTP port of the OpenAI API."""
     num_replicas: int = Field(default=1, ge=1)
-    """Ingress replicas; more than one needs the redis registry backend."""
+    """Ingress replicas on the proxy path; more than one needs the redis registry backend. (On
+    the direct path Ray runs ``serving.routers_per_node`` routers per node instead.)"""
     max_ongoing_requests: int = Field(default=512, ge=1)
     """Concurrent requests per ingress replica."""
     health_check_period_s: float = Field(default=1.0, gt=0)
@@ -397,6 +398,14 @@ class ServingConfig(_Section):
     route_budget_share: float = Field(default=0.5, gt=0, lt=1)
     """Share of ``router_timeout_s`` a routing call may take before it answers with a
     load-balanced choice."""
+    routers_per_node: int = Field(default=1, ge=1)
+    """Router replicas beside each HAProxy (``RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE``: Ray
+    pins the router deployment to the proxy nodes and ignores its ``num_replicas``). HAProxy
+    asks its node's routers in turn, and the next one when a router refuses the connection or
+    drops it unanswered: with two, a killed router costs at most the requests in flight to it;
+    with one, HAProxy answers 503 until Serve notices (``ingress.health_check_period_s``), then
+    balances over the replicas until a new router runs. More than one needs the redis
+    registry."""
     max_body_bytes: int = Field(default=2**20, ge=65536)
     """Largest request body HAProxy buffers for the router; a longer body is refused with 413
     rather than routed on a truncated prompt. It sets HAProxy's ``tune.bufsize``, the size of
@@ -599,6 +608,11 @@ class PrefixmeshConfig(_Section):
             raise ValueError(
                 "ingress.num_replicas > 1 needs registry.backend=redis: the in-process "
                 "registry lives inside one ingress replica"
+            )
+        if self.serving.routers_per_node > 1 and self.registry.backend == "memory":
+            raise ValueError(
+                "serving.routers_per_node > 1 needs registry.backend=redis: the in-process "
+                "registry lives inside one router"
             )
         return self
 

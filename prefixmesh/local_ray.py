@@ -33,13 +33,14 @@ def haproxy_environment(
     """Ray Serve's HAProxy ingress with our router asked for every POST: its files under
     ``run_dir`` (not the machine-wide /tmp/haproxy-serve), its stats and metrics listeners and
     the fallback proxy moved off their fixed ports, retries of requests whose replica died
-    before answering, the client's ``traceparent`` forwarded to the router. ``port``: picks a
-    free port (injected in tests)."""
+    before answering, the client's ``traceparent`` forwarded to the router, the routers per
+    node. ``port``: picks a free port (injected in tests)."""
     run = Path(run_dir)
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
         "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_TIMEOUT_S": str(serving.router_timeout_s),
+        "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE": str(serving.routers_per_node),
         "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(serving.max_body_bytes),
         "RAY_SERVE_HAPROXY_RETRY_ON": serving.retry_on,
         "RAY_SERVE_HAPROXY_RETRIES": str(serving.retries),
@@ -115,14 +116,16 @@ def router_pool(config_text: str, read: Callable[[str], str]) -> list[tuple[str,
     return sorted((host, int(port)) for host, port in _LUA_ROUTER.findall(read(loaded[1])))
 
 
-def haproxy_router_pool() -> list[tuple[str, int]]:
-    """The routers HAProxy on this node asks now, as ``configure_environment`` set it up (Ray
-    writes the config under a folder named for the node, then reloads HAProxy); empty when
-    HAProxy is not configured or asks no router."""
-    location = os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC")
-    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1" or not location:
+def haproxy_router_pool(config_location: str | Path | None = None) -> list[tuple[str, int]]:
+    """The routers HAProxy on this node asks now, from its config (Ray writes it under a folder
+    named for the node, then reloads HAProxy) at ``config_location`` (its
+    ``RAY_SERVE_HAPROXY_CONFIG_FILE_LOC``; None: as ``configure_environment`` set it up);
+    empty when HAProxy is not configured or asks no router."""
+    if config_location is None and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        config_location = os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC")
+    if not config_location:
         return []
-    config = Path(location)
+    config = Path(config_location)
     pool: list[tuple[str, int]] = []
     for node_config in config.parent.glob(f"*/{config.name}"):
         pool += router_pool(node_config.read_text(), lambda path: Path(path).read_text())

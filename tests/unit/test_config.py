@@ -55,3 +55,10 @@ def test_liveness_settings_keep_the_5_s_bound() -> None:
         load_config(overrides=["registry.dead_after_s=4.5"])  # + the 1 s reap interval
     with pytest.raises(ValidationError, match="misses one heartbeat"):
         load_config(overrides=["registry.heartbeat_interval_s=2"])  # dead after 3 s
+
+
+def test_several_routers_per_node_need_the_shared_registry() -> None:
+    with pytest.raises(ValidationError, match=r"routers_per_node > 1 needs"):
+        load_config(overrides=["serving.routers_per_node=2"])
+    config = load_config(overrides=["serving.routers_per_node=2", "registry.backend=redis"])
+    assert config.serving.routers_per_node == 2

@@ -9,9 +9,11 @@ from prefixmesh.local_ray import haproxy_environment, router_pool
 
 def test_haproxy_settings_keep_files_ports_and_limits_ours(tmp_path: Path) -> None:
     ports = count(40000)
-    serving = load_config(overrides=["serving.router_timeout_s=3"]).serving
+    overrides = ["serving.router_timeout_s=3", "serving.routers_per_node=2"]
+    serving = load_config(overrides=[*overrides, "registry.backend=redis"]).serving
     env = haproxy_environment(serving, tmp_path, lambda: next(ports))
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert env["RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE"] == "2"
     assert env["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] == "1"
     assert env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_TIMEOUT_S"] == "3"
     assert env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"] == str(serving.max_body_bytes)
