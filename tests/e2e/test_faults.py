@@ -112,6 +112,10 @@ class Outcome:
     path a replica that dies mid-stream cannot send an error event)."""
     error: str = ""
     got_output: bool = False
+    answered_s: float = 0.0
+    """When the response's status arrived (a stream's with its first token); 0: never."""
+    reason: str = ""
+    """HAProxy's ``X-Serve-Reason`` on an answer of its own (its routing call failed)."""
 
 
 @dataclass
@@ -151,7 +155,7 @@ class LoadRun:
             if stream:
                 body |= {"stream": True, "stream_options": {"include_usage": True}}
                 async with client.stream("POST", f"{self.base_url}/v1/completions", json=body) as r:
-                    _read_headers(outcome, r)
+                    _read_headers(outcome, r, self.now())
                     if r.status_code == 200:
                         try:
                             await _read_stream(outcome, r.aiter_lines())
@@ -162,7 +166,7 @@ class LoadRun:
                         outcome.error = (await r.aread()).decode()[:300]
             else:
                 r = await client.post(f"{self.base_url}/v1/completions", json=body)
-                _read_headers(outcome, r)
+                _read_headers(outcome, r, self.now())
                 if r.status_code == 200:
                     usage = r.json()["usage"]
                     outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
@@ -192,8 +196,10 @@ class LoadRun:
         return [o for o in self.outcomes if not o.ok and not o.stream_error and not o.cut]
 
 
-def _read_headers(outcome: Outcome, response: httpx.Response) -> None:
+def _read_headers(outcome: Outcome, response: httpx.Response, now_s: float) -> None:
+    outcome.answered_s = now_s
     outcome.status = response.status_code
+    outcome.reason = response.headers.get("x-serve-reason", "")
     outcome.replica = response.headers.get("x-prefixmesh-replica", "")
     outcome.retries = int(response.headers.get("x-prefixmesh-retries", 0))
     outcome.matched_blocks = int(response.headers.get("x-prefixmesh-matched-blocks", 0))
