@@ -66,7 +66,8 @@ REPLICA_LOAD = GaugeSpec(
 ONGOING = GaugeSpec(
     "prefixmesh_router_ongoing_requests",
     "Requests this router counts as sent and not done (its ledger, at its latest decision): "
-    "not yet seen finish (proxy path), or not yet listed by a replica's report (direct path)",
+    "not yet seen finish (Serve's callbacks, or the replicas' progress on the direct path); "
+    "on the direct path with Redis, not yet listed by a replica's report",
 )
 ROUTER_METRICS = (
     DECISIONS,
