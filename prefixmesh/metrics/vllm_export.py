@@ -40,6 +40,8 @@ def cluster_stat_loggers() -> list[Any]:
     ray = sys.modules.get("ray")  # not imported: not a Ray worker
     if ray is None or not ray.is_initialized():
         return []
+    if ray.get_runtime_context().get_actor_id() is None:
+        return []  # a driver that started Ray (a test, a benchmark): no replica to label
     from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
     return [RayPrometheusStatLogger]

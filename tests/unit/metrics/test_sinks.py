@@ -4,9 +4,11 @@ labelled per process), or nowhere."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixmesh.local_ray import SERVICE_DISCOVERY_FILE, write_service_discovery
@@ -139,6 +141,8 @@ def test_ray_metrics_carry_the_process_labels_and_only_positive_buckets() -> Non
 
 
 def test_outside_a_serve_replica_the_cluster_view_gets_nothing() -> None:
+    """Also in a driver that has started Ray (the e2e tests run before this one in a full
+    run): only a Serve replica's process feeds the cluster view."""
     assert isinstance(serve_replica_sink(), NullSink)
     assert cluster_stat_loggers() == []  # vLLM keeps its own prometheus_client logger
     NullSink().gauge(GAUGE).labels(replica="r", field="f").set(1)
@@ -164,3 +168,16 @@ def test_service_discovery_lists_the_agents_as_ray_writes_them(tmp_path: Path) -
     write_service_discovery(tmp_path, ["127.0.0.1:9090"])  # replaced whole, nothing left over
     assert json.loads(path.read_text())[0]["targets"] == ["127.0.0.1:9090"]
     assert [p.name for p in tmp_path.iterdir()] == [SERVICE_DISCOVERY_FILE]
+
+
+def test_a_driver_that_started_ray_feeds_no_engine_metrics_to_the_cluster_view(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: a full run failed the test above because the e2e tests had started Ray in
+    the test process; only an actor (a Serve replica) exports vLLM's metrics through Ray."""
+    import types
+
+    context = types.SimpleNamespace(get_actor_id=lambda: None)
+    driver = types.SimpleNamespace(is_initialized=lambda: True, get_runtime_context=lambda: context)
+    monkeypatch.setitem(sys.modules, "ray", driver)
+    assert cluster_stat_loggers() == []
