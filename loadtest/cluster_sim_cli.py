@@ -41,17 +41,10 @@ from prefixmesh.replica.model.profile import (
     get_profile,
     with_cpu_tier,
 )
+from prefixmesh.router.policy import POLICY_NAMES
 from prefixmesh.router.policy.base import RoutingPolicy
 
-ALL_POLICIES = (
-    "round_robin",
-    "pow2",
-    "prefix_hash",
-    "ray_prefix",
-    "sglang",
-    "dynamo",
-    "prefixmesh",
-)
+ALL_POLICIES = POLICY_NAMES  # every policy the router can run
 DEFAULT_LOAD = 0.7
 DEFAULT_REQUESTS = 2000
 DEFAULT_TRACE_REPLICAS = 16
