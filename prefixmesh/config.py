@@ -10,12 +10,26 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_serializer,
+    model_validator,
+)
 
 CONFIG_ENV = "PREFIXMESH_CONFIG"
 """Environment variable naming a YAML config file; read only by ``load_config``."""
+REDIS_URL_ENV = "PREFIXMESH_REDIS_URL"
+"""Environment variable that, when set, replaces ``registry.redis_url`` (how a cluster points
+every process at the head's Redis); read only by ``load_config``."""
+REDIS_PASSWORD_ENV = "PREFIXMESH_REDIS_PASSWORD"
+"""Default of ``registry.redis_password_env``: the variable holding the Redis password."""
+REDIS_SCHEMES = ("redis", "rediss")
 
 
 class _Section(BaseModel):
@@ -36,7 +50,26 @@ class RegistryConfig(_Section):
     backend: Literal["memory", "redis"] = "memory"
     """``memory``: in-process (one machine); ``redis``: shared by every process of a cluster."""
     redis_url: str = "redis://127.0.0.1:16379/0"
-    """Redis server of the ``redis`` backend (not Ray's GCS port 6379)."""
+    """Redis server of the ``redis`` backend (not Ray's GCS port 6379): ``redis://`` or
+    ``rediss://`` (TLS), ``[user@]host:port/db``. $PREFIXMESH_REDIS_URL, when set, replaces it
+    (over the file and ``--set``). Never write a password here: it goes in the variable
+    ``redis_password_env`` names (a password in the environment's URL is moved there)."""
+    redis_password_env: str = Field(default=REDIS_PASSWORD_ENV, min_length=1)
+    """Name of the environment variable holding the Redis password (a Kubernetes Secret's
+    ``env``); unset or empty: no password."""
+    redis_password: SecretStr | None = None
+    """The password, resolved by ``load_config`` from ``redis_password_env`` (refused in files
+    and overrides). Reprs mask it; it travels to the cluster's processes only inside the
+    config's JSON (the Serve deployments' arguments)."""
+    redis_tls_ca_file: str | None = None
+    """``rediss://``: CA certificate (PEM) that signed the server's certificate (None: the
+    system's trusted CAs)."""
+    redis_tls_cert_file: str | None = None
+    """``rediss://``: client certificate (PEM), for a server with ``tls-auth-clients yes``."""
+    redis_tls_key_file: str | None = None
+    """``rediss://``: private key (PEM) of ``redis_tls_cert_file``."""
+    redis_tls_verify: bool = True
+    """``rediss://``: verify the server's certificate and host name (False: encrypt only)."""
     namespace: str = "prefixmesh"
     """Key prefix (a Redis hash tag): clusters sharing one Redis use different namespaces."""
     lookup_deadline_ms: float = Field(default=5.0, gt=0)
@@ -63,6 +96,36 @@ class RegistryConfig(_Section):
     reap_interval_s: float = Field(default=1.0, gt=0)
     """Redis backend: how often each replica drops the silent ones (the reap is atomic and
     idempotent, so any live replica may run it)."""
+
+    @field_serializer("redis_password", when_used="json")
+    def _reveal_password(self, password: SecretStr | None) -> str | None:
+        # The config's JSON is how every Serve process gets its settings (app.py).
+        return None if password is None else password.get_secret_value()
+
+    @model_validator(mode="after")
+    def _check_redis(self) -> RegistryConfig:
+        url = urlsplit(self.redis_url)
+        if url.scheme not in REDIS_SCHEMES:
+            raise ValueError(
+                f"registry.redis_url must start with redis:// or rediss:// (TLS), got "
+                f"{url.scheme or 'no scheme'}://"
+            )
+        if url.password is not None:
+            raise ValueError(
+                f"registry.redis_url must not carry a password: set ${self.redis_password_env}"
+            )
+        tls_files = (self.redis_tls_ca_file, self.redis_tls_cert_file, self.redis_tls_key_file)
+        if url.scheme != "rediss" and any(f is not None for f in tls_files):
+            raise ValueError("registry.redis_tls_* files need a rediss:// registry.redis_url")
+        if (self.redis_tls_cert_file is None) != (self.redis_tls_key_file is None):
+            raise ValueError(
+                "registry.redis_tls_cert_file and registry.redis_tls_key_file go together"
+            )
+        return self
+
+    @property
+    def redis_tls(self) -> bool:
+        return self.redis_url.startswith("rediss://")
 
     @model_validator(mode="after")
     def _check_liveness(self) -> RegistryConfig:
@@ -647,12 +710,62 @@ def merge_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
     return merged
 
 
+def split_url_password(url: str) -> tuple[str, str | None]:
+    """``url`` without the password of its user part, and that password (None if it had
+    none); the user name stays."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username
+    netloc = f"{user}@{host}" if user else host
+    return urlunsplit(parts._replace(netloc=netloc)), unquote(parts.password)
+
+
+def resolve_registry_environment(
+    data: Mapping[str, Any], environ: Mapping[str, str]
+) -> tuple[dict[str, Any], str | None]:
+    """The registry's part of the environment (the one place it is read): $PREFIXMESH_REDIS_URL
+    over ``registry.redis_url``, and the password from the variable ``registry.redis_password_env``
+    names (else one in the environment's URL). Returns the settings with the URL laid in and
+    the password apart: it is added after validation, so no validation error can print it.
+    A password in the settings themselves (a file, ``--set``) is refused."""
+    given = data.get("registry", {})
+    if not isinstance(given, Mapping):
+        return dict(data), None  # validation names the mistake
+    registry = dict(given)
+    name = registry.get("redis_password_env") or REDIS_PASSWORD_ENV
+    if registry.pop("redis_password", None) is not None:
+        raise ValueError(
+            f"registry.redis_password is read from the environment (${name}), never from a "
+            "config file or an override"
+        )
+    url = registry.get("redis_url")
+    if isinstance(url, str) and split_url_password(url)[1] is not None:
+        raise ValueError(
+            f"registry.redis_url in a config file or an override carries a password: put it in "
+            f"${name} instead"
+        )
+    password: str | None = None
+    env_url = environ.get(REDIS_URL_ENV)
+    if env_url:
+        registry["redis_url"], password = split_url_password(env_url)
+    password = environ.get(str(name)) or password or None
+    return {**data, "registry": registry}, password
+
+
 def load_config(
-    path: str | Path | None = None, overrides: Sequence[str] | Mapping[str, Any] = ()
+    path: str | Path | None = None,
+    overrides: Sequence[str] | Mapping[str, Any] = (),
+    environ: Mapping[str, str] | None = None,
 ) -> PrefixmeshConfig:
-    """Defaults <- YAML file (``path``, else $PREFIXMESH_CONFIG, else none) <- overrides."""
+    """Defaults <- YAML file (``path``, else $PREFIXMESH_CONFIG, else none) <- overrides <- the
+    registry's environment ($PREFIXMESH_REDIS_URL, the password: see
+    ``resolve_registry_environment``). ``environ``: the environment to read (default: the
+    process's)."""
+    env = os.environ if environ is None else environ
     data: dict[str, Any] = {}
-    source = path or os.environ.get(CONFIG_ENV)
+    source = path or env.get(CONFIG_ENV)
     if source:
         loaded = yaml.safe_load(Path(source).read_text()) or {}
         if not isinstance(loaded, dict):
@@ -662,4 +775,9 @@ def load_config(
         data = merge_settings(data, overrides)
     else:
         data = merge_overrides(data, overrides)
-    return PrefixmeshConfig.model_validate(data)
+    data, password = resolve_registry_environment(data, env)
+    config = PrefixmeshConfig.model_validate(data)
+    if password is None:
+        return config
+    registry = config.registry.model_copy(update={"redis_password": SecretStr(password)})
+    return config.model_copy(update={"registry": registry})
