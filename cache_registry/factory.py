@@ -8,7 +8,9 @@ from typing import Any
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.memory import InMemoryRegistry, RegistryState
 from prefixmesh.cache_registry.protocol import CacheRegistry
+from prefixmesh.cache_registry.redis_connection import RedisEndpoint
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
+from prefixmesh.cache_registry.registry_health import InProcessProbe, RedisProbe, RegistryProbe
 from prefixmesh.config import PrefixmeshConfig
 
 
@@ -39,10 +41,24 @@ def make_registry(
         return InMemoryRegistry(fingerprint, shared, lock)
     return RedisRegistry(
         fingerprint,
-        reg.redis_url,
+        RedisEndpoint.from_config(reg),
         namespace=reg.namespace,
         max_holders_per_block=reg.max_holders_per_block,
         hotness_half_life_s=reg.hotness_half_life_s,
         op_timeout_s=reg.op_timeout_ms / 1000,
         publish_timeout_s=reg.publish_timeout_ms / 1000,
+    )
+
+
+def make_registry_probe(config: PrefixmeshConfig, timeout_s: float | None = None) -> RegistryProbe:
+    """The health probe of the configured registry: one call bounded by ``timeout_s`` (default:
+    the registry's op timeout). Use it from one event loop."""
+    reg = config.registry
+    if reg.backend == "memory":
+        return InProcessProbe()
+    return RedisProbe(
+        RedisEndpoint.from_config(reg),
+        make_hasher(config).fingerprint,
+        reg.namespace,
+        reg.op_timeout_ms / 1000 if timeout_s is None else timeout_s,
     )

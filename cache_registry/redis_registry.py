@@ -1,9 +1,11 @@
 """The Redis backend of ``CacheRegistry`` (async ``redis`` client, Lua scripts, pub/sub).
 
-Every operation is one pipelined round trip under a time budget. A failure or a timeout returns
-"nothing known", counts in ``stats``, and puts the client in a short, growing backoff during
-which calls return at once; the first success after it counts a reconnect and re-checks the
-fingerprint (a restarted Redis has lost it, and every entry with it).
+The server is a ``RedisEndpoint`` (URL, password, TLS); a bare URL works too. Every operation
+is one pipelined round trip under a time budget. A failure or a timeout returns "nothing
+known", counts in ``stats`` (with a password-free diagnosis in ``health``), and puts the client
+in a short, growing backoff during which calls return at once; the first success after it
+counts a reconnect and re-checks the fingerprint (a restarted Redis has lost it, and every
+entry with it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ from prefixmesh.cache_registry import redis_scripts
 from prefixmesh.cache_registry.hashing import CacheFingerprint, FingerprintMismatchError
 from prefixmesh.cache_registry.hotness import DecayedCount, rate_per_s
 from prefixmesh.cache_registry.protocol import group_by_replica
+from prefixmesh.cache_registry.redis_connection import RedisEndpoint
+from prefixmesh.cache_registry.registry_health import (
+    HEALTHY,
+    RegistryHealth,
+    diagnose,
+    fingerprint_mismatch,
+)
 from prefixmesh.cache_registry.sequencing import MAX_EPOCH
 from prefixmesh.cache_registry.types import (
     DROPPED_REPLICA_MEMORY_S,
@@ -61,7 +70,7 @@ class RedisRegistry:
     def __init__(
         self,
         fingerprint: CacheFingerprint,
-        url: str,
+        url: str | RedisEndpoint,
         *,
         namespace: str = "prefixmesh",
         clock: Callable[[], float] = time.time,
@@ -77,6 +86,8 @@ class RedisRegistry:
             raise ValueError("max_holders_per_block must be >= 1")
         self.fingerprint = fingerprint
         self.stats = RegistryStats()
+        self.endpoint = url if isinstance(url, RedisEndpoint) else RedisEndpoint.of(url)
+        self._namespace = namespace
         self._prefix = "{" + namespace + "}"
         self._clock = clock
         self._max_holders = max_holders_per_block
@@ -87,16 +98,14 @@ class RedisRegistry:
         self._backoff_max_s = backoff_max_s
         self._release_poll_s = release_poll_s
         # No client-side retries: the time budget and the backoff below replace them.
-        self._redis = aioredis.Redis.from_url(
-            url,
+        self._redis: aioredis.Redis = self.endpoint.async_client(
             socket_connect_timeout=op_timeout_s,
             socket_timeout=publish_timeout_s,
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,
         )
         # Pub/sub waits idle for long stretches: its own client, with no read timeout.
-        self._pubsub_redis = aioredis.Redis.from_url(
-            url,
+        self._pubsub_redis: aioredis.Redis = self.endpoint.async_client(
             socket_connect_timeout=op_timeout_s,
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,
@@ -121,6 +130,8 @@ class RedisRegistry:
         self._retry_at = 0.0
         self._verified = False
         self._disabled_reason = ""
+        self._failure = HEALTHY
+        """What the latest failure said about the registry (``HEALTHY`` once it answers)."""
         self._waiters: dict[BlockHash, asyncio.Event] = {}
         self._listener: asyncio.Task[None] | None = None
         self._verifying: asyncio.Task[None] | None = None
@@ -132,8 +143,11 @@ class RedisRegistry:
         try:
             await asyncio.wait_for(self._check_fingerprint(), self._op_timeout_s * 4)
         except _FAILURES as exc:
-            logger.warning("registry unreachable at connect (%s); will check when it is back", exc)
             self._on_failure(exc)
+            logger.warning(
+                "registry degraded at connect: %s; routing goes on without it and retries",
+                self._failure.message,
+            )
         if self._listener is None:
             self._listener = asyncio.get_running_loop().create_task(self._listen_releases())
 
@@ -158,16 +172,22 @@ class RedisRegistry:
         await self._redis.set(key, mine, nx=True)
         stored = await self._redis.get(key)
         if stored is not None and stored != mine:
-            raise FingerprintMismatchError(f"registry holds {stored}, this process uses {mine}")
+            mismatch = fingerprint_mismatch(
+                self.endpoint, self._namespace, stored, self.fingerprint
+            )
+            raise FingerprintMismatchError(mismatch.message)
         self._verified = True
 
     def _on_failure(self, exc: BaseException) -> None:
-        self.stats.last_error = f"{type(exc).__name__}: {exc}"
+        self._failure = diagnose(exc, self.endpoint)
+        self.stats.last_error = self._failure.message
         now = time.monotonic()
         if self._failing:
             self._backoff_s = min(self._backoff_s * 2, self._backoff_max_s)
         else:
-            logger.warning("registry call failed (%s); degrading to no cache knowledge", exc)
+            logger.warning(
+                "registry call failed (%s); degrading to no cache knowledge", self._failure.message
+            )
             self._failing = True
             self._verified = False
         self._retry_at = now + self._backoff_s
@@ -175,6 +195,7 @@ class RedisRegistry:
     async def _on_success(self) -> None:
         if self._failing:
             self._failing = False
+            self._failure = HEALTHY
             self._backoff_s = self._backoff_initial_s
             self.stats.reconnects += 1
             logger.info("registry reachable again")
@@ -198,6 +219,14 @@ class RedisRegistry:
     def verified(self) -> bool:
         """The fingerprint check has passed since the last outage: results are trusted."""
         return self._verified and not self._disabled_reason
+
+    @property
+    def health(self) -> RegistryHealth:
+        """What this client knows: a fingerprint mismatch, its latest failure while it lasts,
+        else healthy (it learns only from its own calls; ``RedisProbe`` asks)."""
+        if self._disabled_reason:
+            return RegistryHealth("fingerprint", self._disabled_reason)
+        return self._failure if self._failing else HEALTHY
 
     @property
     def available(self) -> bool:
