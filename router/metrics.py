@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
+from prefixmesh.cache_registry.registry_health import DEGRADED_REASONS
 from prefixmesh.metrics.ray_sink import serve_replica_sink
 from prefixmesh.metrics.sink import MetricSink, PrometheusSink, Tee
 from prefixmesh.metrics.spec import CounterSpec, GaugeSpec, HistogramSpec
@@ -69,6 +70,14 @@ ONGOING = GaugeSpec(
     "not yet seen finish (Serve's callbacks, or the replicas' progress on the direct path); "
     "on the direct path with Redis, not yet listed by a replica's report",
 )
+REGISTRY_DEGRADED = GaugeSpec(
+    "prefixmesh_registry_degraded",
+    "1 on the reason the router's latest registry health check (its /health and Serve's "
+    "periodic check) found the configured registry degraded: unreachable, timeout, auth "
+    "(password missing or refused), tls, fingerprint (another cluster's registry), error; "
+    "0 on the others; all 0: healthy (routing then uses the registry)",
+    ("reason",),
+)
 ROUTER_METRICS = (
     DECISIONS,
     MATCHED_BLOCKS,
@@ -78,6 +87,7 @@ ROUTER_METRICS = (
     FALLBACKS,
     REPLICA_LOAD,
     ONGOING,
+    REGISTRY_DEGRADED,
 )
 
 
@@ -101,6 +111,11 @@ class RouterMetrics:
             self.fallbacks.labels(reason=reason)
         self.replica_load = REPLICA_LOAD.build(sink)
         self.ongoing = ONGOING.build(sink)
+        self.registry_degraded = REGISTRY_DEGRADED.build(sink)
+        self._degraded_children = {
+            reason: self.registry_degraded.labels(reason=reason) for reason in DEGRADED_REASONS
+        }
+        self.registry_checked("")  # healthy until a check says otherwise
         self._load_children: dict[str, tuple[GaugeInstrument, GaugeInstrument, GaugeInstrument]]
         self._load_children = {}
 
@@ -122,6 +137,11 @@ class RouterMetrics:
 
     def fell_back(self, reason: str) -> None:
         self.fallbacks.labels(reason=reason).inc()
+
+    def registry_checked(self, reason: str) -> None:
+        """The latest registry health check's reason (``""``: healthy)."""
+        for name, child in self._degraded_children.items():
+            child.set(1 if name == reason else 0)
 
     def saw_load(self, replica: str, queued: int, running: int, pending_tokens: int) -> None:
         children = self._load_children.get(replica)

@@ -32,7 +32,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
 from prefixmesh import tracing
-from prefixmesh.cache_registry.factory import make_hasher, make_memory_state
+from prefixmesh.cache_registry.factory import (
+    make_hasher,
+    make_memory_state,
+    make_registry_probe,
+)
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.router.local_state import local_state
@@ -70,6 +74,7 @@ class RouterServer:
         self._encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
         self._hasher = make_hasher(config)
         self._local = local_state(config.app_name, lambda: make_memory_state(config))
+        self._registry_probe = make_registry_probe(config)
         self._max_model_len = config.replica.vllm.max_model_len
         serving = config.serving
         self._budget_s = serving.router_timeout_s * serving.route_budget_share
@@ -152,7 +157,21 @@ class RouterServer:
 
     @api.get("/health")
     async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+        """``{"status": "ok"}``, or ``degraded`` with the reason when the configured registry
+        is unreachable, refuses the password or TLS, or holds another cluster's fingerprint
+        (200 either way: routing goes on by load). One probe within the registry's op
+        timeout, reused for a second; the reason also goes to ``prefixmesh_registry_degraded``."""
+        verdict = await self._registry_probe.check()
+        self._local.metrics.registry_checked(verdict.reason)
+        return verdict.body()
+
+    async def check_health(self) -> None:
+        """Serve's periodic check (``ingress.health_check_period_s``) keeps the registry gauge
+        current; a degraded registry never fails it (this process routes without it)."""
+        try:
+            await self.health()
+        except Exception:  # the probe never raises; a bug here must not restart the router
+            logger.exception("registry health check failed")
 
     async def router_metrics(self) -> str:
         """The router's Prometheus exposition (decisions, lookups, holds, load it saw)."""
