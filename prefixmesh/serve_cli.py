@@ -5,12 +5,13 @@ and shut everything down on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import shutil
 import signal
 import sys
 import threading
 
-from prefixmesh.config import load_config
+from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.local_ray import configure_environment, init_local_ray, stop_haproxy
 
 
@@ -43,6 +44,9 @@ def main(argv: list[str], prog: str = "serve") -> int:
     if args.detach and not config.ray.address:
         print(f"{prog}: --detach needs a cluster to leave the app on (--address)", file=sys.stderr)
         return 2
+    warning = registry_warning(config)
+    if warning:
+        print(f"{prog}: WARNING: {warning}", file=sys.stderr, flush=True)
     # Ray listens and dials on 127.0.0.1 only when every process has this (DESIGN.md §7), and
     # Serve reads its HAProxy settings at import: set before Ray is imported, inherited by
     # everything it starts.
@@ -85,6 +89,30 @@ def main(argv: list[str], prog: str = "serve") -> int:
             stop_haproxy(haproxy_dir)
             shutil.rmtree(haproxy_dir, ignore_errors=True)
     return 0
+
+
+def registry_warning(config: PrefixmeshConfig) -> str | None:
+    """What is wrong with the configured registry, checked once before deploying (within four
+    op timeouts, as a registry client's connect), or None: serving starts anyway, routing on
+    load alone until the registry answers (``/health`` says ``degraded`` meanwhile)."""
+    if config.registry.backend == "memory":
+        return None
+    from prefixmesh.cache_registry.factory import make_registry_probe
+
+    async def check() -> str | None:
+        probe = make_registry_probe(config, timeout_s=config.registry.op_timeout_ms * 4 / 1000)
+        try:
+            verdict = await probe.check()
+        finally:
+            await probe.close()
+        if verdict.ok:
+            return None
+        return (
+            f"the registry is degraded ({verdict.reason}): {verdict.message}. prefixmesh serves "
+            "anyway, routing on load alone, until the registry answers"
+        )
+
+    return asyncio.run(check())
 
 
 def _wait_for_stop() -> None:

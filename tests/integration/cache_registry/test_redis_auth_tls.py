@@ -20,6 +20,7 @@ from prefixmesh.cache_registry.redis_server import LocalRedisServer, TLSUnsuppor
 from prefixmesh.cache_registry.registry_health import RedisProbe, RegistryHealth
 from prefixmesh.cache_registry.types import CacheEvent, EventKind, PrefixHit, ReplicaId, Tier
 from prefixmesh.config import REDIS_PASSWORD_ENV, REDIS_URL_ENV, load_config
+from prefixmesh.serve_cli import registry_warning
 from tests.integration.cache_registry.conftest import HASHER
 
 pytestmark = pytest.mark.redis
@@ -219,3 +220,15 @@ async def test_the_probe_names_each_problem(
     plain_on_tls = tls_server.url.replace("rediss://", "redis://")
     assert await check(RedisEndpoint(plain_on_tls, PASSWORD)) == "unreachable"
     assert await check(RedisEndpoint(tls_server.url, PASSWORD)) == "tls"
+
+
+def test_serve_warns_at_start_about_a_refused_password(password_server: LocalRedisServer) -> None:
+    def warning(password: str) -> str | None:
+        environ = {REDIS_URL_ENV: password_server.url, REDIS_PASSWORD_ENV: password}
+        return registry_warning(load_config(overrides=["registry.backend=redis"], environ=environ))
+
+    refused = warning("wrong-one")
+    assert refused is not None and "degraded (auth)" in refused
+    assert "refused the password from $PREFIXMESH_REDIS_PASSWORD" in refused
+    assert "wrong-one" not in refused
+    assert warning(PASSWORD) is None
