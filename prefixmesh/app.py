@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.config import PrefixmeshConfig, load_config, merge_overrides
+from prefixmesh.config import PrefixmeshConfig, load_config, merge_overrides, process_json
 from prefixmesh.replica.demo_model import resolve_model_path
 
 INGRESS_NAME = "Ingress"
@@ -73,7 +73,7 @@ def build_app(config: PrefixmeshConfig) -> Any:
 
         front_name = INGRESS_NAME
     model_path = resolve_model_path(config)
-    config_json = config.model_dump_json()
+    config_json = process_json(config)  # the one dump that carries the Redis password
     env = replica_env(config)
     replica = config.replica
     replica_actor: dict[str, Any] = {

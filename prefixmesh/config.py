@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    SerializationInfo,
     field_serializer,
     model_validator,
 )
@@ -30,6 +31,8 @@ every process at the head's Redis); read only by ``load_config``."""
 REDIS_PASSWORD_ENV = "PREFIXMESH_REDIS_PASSWORD"
 """Default of ``registry.redis_password_env``: the variable holding the Redis password."""
 REDIS_SCHEMES = ("redis", "rediss")
+_WITH_SECRETS = "prefixmesh.with_secrets"
+"""Serialization context key under which a JSON dump carries the Redis password."""
 
 
 class _Section(BaseModel):
@@ -59,8 +62,8 @@ class RegistryConfig(_Section):
     ``env``); unset or empty: no password."""
     redis_password: SecretStr | None = None
     """The password, resolved by ``load_config`` from ``redis_password_env`` (refused in files
-    and overrides). Reprs mask it; it travels to the cluster's processes only inside the
-    config's JSON (the Serve deployments' arguments)."""
+    and overrides). Reprs mask it and JSON dumps leave it out (null), except ``process_json``,
+    which carries it to the cluster's own processes (the Serve deployments' arguments)."""
     redis_tls_ca_file: str | None = None
     """``rediss://``: CA certificate (PEM) that signed the server's certificate (None: the
     system's trusted CAs)."""
@@ -97,10 +100,16 @@ class RegistryConfig(_Section):
     """Redis backend: how often each replica drops the silent ones (the reap is atomic and
     idempotent, so any live replica may run it)."""
 
-    @field_serializer("redis_password", when_used="json")
-    def _reveal_password(self, password: SecretStr | None) -> str | None:
-        # The config's JSON is how every Serve process gets its settings (app.py).
-        return None if password is None else password.get_secret_value()
+    @field_serializer("redis_password")
+    def _dump_password(
+        self, password: SecretStr | None, info: SerializationInfo
+    ) -> SecretStr | str | None:
+        if password is None or not info.mode_is_json():
+            return password  # Python dumps keep the masked SecretStr
+        context = info.context
+        if isinstance(context, Mapping) and context.get(_WITH_SECRETS):
+            return password.get_secret_value()
+        return None  # a report or a file written from a dump never carries it
 
     @model_validator(mode="after")
     def _check_redis(self) -> RegistryConfig:
@@ -752,6 +761,12 @@ def resolve_registry_environment(
         registry["redis_url"], password = split_url_password(env_url)
     password = environ.get(str(name)) or password or None
     return {**data, "registry": registry}, password
+
+
+def process_json(config: PrefixmeshConfig) -> str:
+    """The config as JSON for the cluster's own processes (the Serve deployments' arguments):
+    the one dump that carries the Redis password (``model_dump_json`` leaves it out)."""
+    return config.model_dump_json(context={_WITH_SECRETS: True})
 
 
 def load_config(

@@ -15,6 +15,7 @@ from prefixmesh.config import (
     REDIS_URL_ENV,
     PrefixmeshConfig,
     load_config,
+    process_json,
     split_url_password,
 )
 
@@ -99,13 +100,19 @@ def test_the_password_never_shows_in_reprs_or_validation_errors() -> None:
     assert SECRET not in str(exc.value)
 
 
-def test_the_password_travels_in_the_config_json() -> None:
-    # Serve's processes get the config as JSON (app.py): the password must survive it.
+def test_the_password_travels_only_in_the_process_json() -> None:
+    # Serve's processes get the config as JSON (app.py): the password must survive that dump,
+    # and no other (a report or a YAML file written from a dump).
     config = load_config(overrides=REDIS, environ={REDIS_PASSWORD_ENV: SECRET})
-    again = PrefixmeshConfig.model_validate_json(config.model_dump_json())
+    again = PrefixmeshConfig.model_validate_json(process_json(config))
     assert again == config
     assert again.registry.redis_password is not None
     assert again.registry.redis_password.get_secret_value() == SECRET
+    assert SECRET not in config.model_dump_json()
+    dumped = config.model_dump(mode="json")
+    assert dumped["registry"]["redis_password"] is None
+    assert load_config(overrides=dumped, environ={}).registry.redis_password is None
+    assert process_json(load_config(environ={})) == load_config(environ={}).model_dump_json()
 
 
 def test_tls_settings_need_rediss_and_come_in_pairs() -> None:
