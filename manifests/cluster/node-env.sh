@@ -35,9 +35,10 @@ export PREFIXMESH_REDIS_PASSWORD
 export PREFIXMESH_REDIS_URL="redis://$_pm_head:$_pm_redis_port/0"
 export PATH="$_pm_venv/bin:$PATH"
 
-# HAProxy's files go under one folder per user (Ray adds the node id below it; its socket
-# paths must stay under 97 characters).
-_pm_serving=$("$_pm_venv/bin/python" - "$_pm_serve_config" "/tmp/pmh-$(id -u)" <<'EOF'
+# HAProxy's files go under one folder per account (Ray adds the node id below it; its socket
+# paths must stay under 97 characters). stop-node.sh finds HAProxy by this folder: no other
+# account's, and no `prefixmesh serve` folder (/tmp/pmh-XXXXXXXX, no hyphen), contains its name.
+_pm_serving=$("$_pm_venv/bin/python" - "$_pm_serve_config" "/tmp/pmh-$(id -u)-node" <<'EOF'
 import shlex
 import sys
 

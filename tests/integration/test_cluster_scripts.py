@@ -1,7 +1,7 @@
 """The scripts the `ray up` cluster YAMLs run, run for real on this machine: node-env.sh sets the
 registry's address and password and Serve's HAProxy settings (from the Serve config, through
 prefixmesh.local_ray), start-redis.sh starts a Redis that wants that password and never shows it
-on its command line."""
+on its command line, and stop-node.sh stops it (and HAProxy, which `ray stop` leaves)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_node_env_sets_the_registry_and_haproxy_settings(secrets: Path) -> None:
     serve_config = yaml.safe_load((ROOT / "manifests/serve/gpu.yaml").read_text())
     settings = serve_config["applications"][0]["args"]["settings"]
     serving = load_config(None, merge_overrides(settings, [])).serving
-    expected = haproxy_environment(serving, f"/tmp/pmh-{os.getuid()}", port=lambda: 0)
+    expected = haproxy_environment(serving, f"/tmp/pmh-{os.getuid()}-node", port=lambda: 0)
     free = {k for k, v in expected.items() if v == "0"}  # ports node-env.sh picked free
     assert {k: v for k, v in env.items() if k.startswith("RAY_SERVE_")}.keys() == expected.keys()
     for name, value in expected.items():
@@ -136,3 +136,23 @@ def test_start_redis_wants_the_password_and_hides_it(redis_bin: Path, registry_p
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis(port=registry_port, password="wrong").ping()
     assert redis.Redis(port=registry_port, password=PASSWORD).ping()
+
+
+@pytest.mark.redis
+def test_stop_node_stops_the_registry_redis(redis_bin: Path, registry_port: int) -> None:
+    env = {
+        "PATH": f"{redis_bin}:{os.environ['PATH']}",
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "PREFIXMESH_REDIS_URL": f"redis://127.0.0.1:{registry_port}/0",
+        "PREFIXMESH_REDIS_PASSWORD": PASSWORD,
+    }
+    pidfile = Path(f"/tmp/prefixmesh-redis-{os.getuid()}-{registry_port}.pid")
+    assert _bash(f"bash {SCRIPTS / 'start-redis.sh'}", env).returncode == 0
+    pid = int(pidfile.read_text())
+    done = _bash(f"bash {SCRIPTS / 'stop-node.sh'} {registry_port} {VENV}", env)
+    assert done.returncode == 0, done.stderr
+    assert "stopped HAProxy []" in done.stdout  # none runs under this account's node folder
+    assert f"stopped the registry Redis on port {registry_port} (pid {pid})" in done.stdout
+    assert not _alive(pid)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        redis.Redis(port=registry_port, password=PASSWORD).ping()
