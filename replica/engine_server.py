@@ -10,6 +10,7 @@ reset (``/reset_prefix_cache``, and SGLang's ``/flush_cache``) and SGLang's ``/g
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import time
 from collections import deque
@@ -46,6 +47,10 @@ class _Subscriber:
     broken: bool = False
 
 
+TTFT_BUCKETS_S = tuple(round(0.005 * 1.1**i, 6) for i in range(100))
+"""5 ms to ~60 s in 10% steps: fine enough to read a median off (``prefixmesh compare``)."""
+
+
 @dataclass
 class Counters:
     """What the server saw, whichever API a request came through."""
@@ -57,6 +62,8 @@ class Counters:
     ttft_sum_s: float = 0.0
     """Arrival at this server to the engine's first token, summed."""
     ttft_count: int = 0
+    ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS_S))
+    """Count of first tokens at or under each of ``TTFT_BUCKETS_S`` (not cumulative)."""
     running: int = 0
 
 
@@ -155,8 +162,12 @@ class EngineHost:
                 return
             if state["first"]:
                 state["first"] = False
-                counters.ttft_sum_s += time.monotonic() - started
+                ttft = time.monotonic() - started
+                counters.ttft_sum_s += ttft
                 counters.ttft_count += 1
+                bucket = bisect.bisect_left(TTFT_BUCKETS_S, ttft)
+                if bucket < len(TTFT_BUCKETS_S):
+                    counters.ttft_buckets[bucket] += 1
             counters.generation_tokens += len(chunk.token_ids)
 
         return on_chunk
@@ -239,6 +250,11 @@ class EngineHost:
         ]
         for name, kind, labels, value in samples:
             lines += [f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
+        lines.append("# TYPE prefixmesh_replica_ttft_seconds_bucket counter")
+        below = 0
+        for bound, count in zip(TTFT_BUCKETS_S, c.ttft_buckets, strict=True):
+            below += count
+            lines.append(f'prefixmesh_replica_ttft_seconds_bucket{{{ours},le="{bound}"}} {below}')
         if self._runtime is not None:
             self._runtime.drain()
         return "\n".join(lines) + "\n" + self._runtime_text.render()

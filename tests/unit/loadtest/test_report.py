@@ -12,6 +12,7 @@ from prefixmesh.loadtest.compare_report import (
     delta,
     make_row,
     parse_counters,
+    replica_ttft_p50,
     table,
     write_compare,
 )
@@ -109,14 +110,21 @@ prefixmesh_replica_requests_total{{replica="r"}} {n}
 prefixmesh_replica_engine_busy_seconds_total{{replica="r"}} {b}
 prefixmesh_replica_ttft_seconds_sum{{replica="r"}} {t}
 prefixmesh_replica_ttft_seconds_count{{replica="r"}} {n}
+prefixmesh_replica_ttft_seconds_bucket{{replica="r",le="0.05"}} {fast}
+prefixmesh_replica_ttft_seconds_bucket{{replica="r",le="0.1"}} {n}
 """
 
 
+def test_replica_median_without_buckets_is_unknown() -> None:
+    assert replica_ttft_p50([{"ttft_count": 4.0}]) is None
+    assert replica_ttft_p50([{"ttft_count": 0.0, "ttft_le:0.1": 0.0}]) is None
+
+
 def test_a_comparison_row_from_replica_counters(tmp_path: Path) -> None:
-    zero = parse_counters(METRICS.format(q=0, h=0, n=0, b=0, t=0))
+    zero = parse_counters(METRICS.format(q=0, h=0, n=0, b=0, t=0, fast=0))
     ends = [
-        parse_counters(METRICS.format(q=1000, h=900, n=10, b=3.0, t=1.0)),
-        parse_counters(METRICS.format(q=1000, h=500, n=30, b=1.0, t=3.0)),
+        parse_counters(METRICS.format(q=1000, h=900, n=10, b=3.0, t=1.0, fast=10)),
+        parse_counters(METRICS.format(q=1000, h=500, n=30, b=1.0, t=3.0, fast=5)),
     ]
     deltas = delta([zero, zero], ends)
     report = {"requests": 40, "failures": 0, "ttft_mean_s": 0.15, "ttft_p50_s": 0.1,
@@ -126,8 +134,9 @@ def test_a_comparison_row_from_replica_counters(tmp_path: Path) -> None:
     assert row.load_imbalance == 1.5  # busy 3 and 1: max / mean
     assert row.overhead_loaded_ms == pytest.approx(50.0)  # 150 ms seen, 100 ms at the replicas
     assert row.requests_per_replica == [10, 30]
+    assert row.replica_ttft_p50_s == 0.1  # 15 of 40 first tokens within 50 ms, all within 100
     text = table([row])
-    assert "| ours | 150.0 | 100.0 | 900.0 | 50 | 70.0% | 1.50 | 12.5 | 50.0 | 0 |" in text
+    assert "| ours | 150.0 | 100.0 | 900.0 | 100.0 | 50 | 70.0% | 1.50 | 12.5 | 50.0 | 0 |" in text
     write_compare(tmp_path, [row], {"ours": [0.1, 0.2]}, {"title": "t"})
     assert json.loads((tmp_path / "compare.json").read_text())["rows"][0]["router"] == "ours"
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"

@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from prefixmesh.loadtest.compare_report import parse_counters, replica_ttft_p50
 from prefixmesh.loadtest.keys import Segment
 from prefixmesh.loadtest.prompts import PromptRenderer
 from prefixmesh.loadtest.report import prefix_cache_counters
+from prefixmesh.replica.engine_server import TTFT_BUCKETS_S
 from prefixmesh.replica.standalone_server import ReplicaService, build_app, make_service
 from prefixmesh.wire.word_vocabulary import Vocabulary
 from tests.unit.replica.conftest import sim_config
@@ -110,6 +112,10 @@ def test_metrics_use_vllm_names(client: TestClient, render: PromptRenderer) -> N
     assert 'vllm:prefix_cache_hits_total{model_name="demo-tiny",engine="0"}' in text
     assert 'prefixmesh_replica_requests_total{replica="r7"}' in text
     assert "prefixmesh_replica_engine_busy_seconds_total" in text
+    counters = parse_counters(text)  # the histogram compare reads the replicas' median from
+    assert counters["ttft_count"] >= 2
+    assert counters[f"ttft_le:{TTFT_BUCKETS_S[-1]}"] == counters["ttft_count"]
+    assert replica_ttft_p50([counters]) is not None
 
 
 def test_what_vllm_router_asks_for(client: TestClient, render: PromptRenderer) -> None:
