@@ -81,6 +81,8 @@ def build_app(config: PrefixmeshConfig) -> Any:
         "num_gpus": replica.num_gpus,
         "runtime_env": {"env_vars": env},
     }
+    if replica.resources:
+        replica_actor["resources"] = dict(replica.resources)
     placement: dict[str, Any] = {}
     tp = replica.vllm.tensor_parallel_size
     if replica.engine == "vllm" and tp > 1:

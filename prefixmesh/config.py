@@ -398,6 +398,9 @@ class ReplicaConfig(_Section):
     """CPUs Ray reserves per replica; 0 lets more replicas than cores share a machine."""
     num_gpus: float = Field(default=0.0, ge=0)
     """GPUs Ray reserves per replica (tensor_parallel_size on a GPU cluster)."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each replica needs (``ray start --resources``): pins the replicas
+    to the nodes that offer them, e.g. GPU workers, never the head."""
     max_ongoing_requests: int = Field(default=64, ge=1)
     """Serve's per-replica concurrency cap; set from the engine's real concurrency (Serve's
     default of 5 throttles a batching engine to a crawl, DESIGN.md §7)."""
@@ -491,6 +494,10 @@ class ServingConfig(_Section):
     retries: int = Field(default=5, ge=1)
     """HAProxy's ``retries`` per request: a killed replica stays "up" until its health checks
     fail, so a redispatch may try it again (it is marked down after 3 refused connections)."""
+    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
+    """Where Serve runs its ingress (HAProxy and the routers beside it on the direct path):
+    ``EveryNode`` (Serve's default; put a load balancer in front), or ``HeadOnly`` (one front
+    door on the head; worker nodes run replicas only)."""
     haproxy_stats_port: int = Field(default=0, ge=0, le=65535)
     """HAProxy's stats page port; Ray binds it on all interfaces (0: a free port)."""
     haproxy_metrics_port: int = Field(default=0, ge=0, le=65535)

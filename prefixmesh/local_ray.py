@@ -93,10 +93,16 @@ def stop_haproxy(run_dir: Path) -> list[int]:
     return stopped
 
 
+def haproxy_enabled() -> bool:
+    """Ray Serve's HAProxy mode is on in this process's environment (a node started with
+    ``haproxy_environment``, or ``configure_environment``): what the direct path needs."""
+    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
+
+
 def haproxy_metrics_url() -> str | None:
     """HAProxy's Prometheus exporter on this node, as ``configure_environment`` set it up (Ray
     binds it on all interfaces; scrape it on loopback); None when HAProxy is not configured."""
-    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+    if not haproxy_enabled():
         return None
     return f"http://127.0.0.1:{os.environ['RAY_SERVE_HAPROXY_METRICS_PORT']}/metrics"
 

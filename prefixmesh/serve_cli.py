@@ -12,7 +12,12 @@ import sys
 import threading
 
 from prefixmesh.config import PrefixmeshConfig, load_config
-from prefixmesh.local_ray import configure_environment, init_local_ray, stop_haproxy
+from prefixmesh.local_ray import (
+    configure_environment,
+    haproxy_enabled,
+    init_local_ray,
+    stop_haproxy,
+)
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
@@ -58,7 +63,7 @@ def main(argv: list[str], prog: str = "serve") -> int:
     from prefixmesh.app import build_app
 
     if config.ray.address:
-        if config.serving.path == "direct":
+        if config.serving.path == "direct" and not haproxy_enabled():
             print(
                 f"{prog}: serving.path=direct needs Ray Serve's HAProxy mode on that cluster "
                 "(RAY_SERVE_ENABLE_HA_PROXY=1 and the settings of prefixmesh.local_ray."
@@ -69,7 +74,10 @@ def main(argv: list[str], prog: str = "serve") -> int:
     else:
         init_local_ray(config.ray.temp_dir, config.ray.num_cpus, config.serving, config.metrics)
     try:
-        serve.start(http_options={"host": config.ingress.host, "port": config.ingress.port})
+        serve.start(
+            http_options={"host": config.ingress.host, "port": config.ingress.port},
+            proxy_location=config.serving.proxy_location,
+        )
         print(
             f"deploying {config.replica.num_replicas} {config.replica.engine} replicas ...",
             flush=True,
