@@ -33,13 +33,10 @@ _ACTOR_FAILURES: tuple[type[BaseException], ...] = (
 
 
 def _transport_failure(cause: BaseException) -> bool:
-    """A broken connection to a remote engine (the replica is alive, its server is not)."""
-    import httpx
-
-    if isinstance(cause, ConnectionError):
-        return True
-    # A timeout is a slow server, not a dead one: sending the request elsewhere doubles load.
-    return isinstance(cause, httpx.TransportError) and not isinstance(cause, httpx.TimeoutException)
+    """A broken connection to a remote engine (the replica is alive, its server is not): the
+    remote engine raises a ``ConnectionError`` for it (``RemoteEngineLost``), never for a slow
+    answer, since sending a slow server's request elsewhere doubles load."""
+    return isinstance(cause, ConnectionError)
 
 
 def is_retryable(exc: BaseException) -> bool:

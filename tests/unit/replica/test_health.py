@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-import httpx
 import pytest
 
 from prefixmesh.cache_registry.factory import make_hasher
@@ -71,35 +69,35 @@ def test_a_vllm_engine_is_healthy_until_it_errors() -> None:
     assert not engine.healthy()
 
 
-class _Pulse(httpx.AsyncByteStream):
-    """The replica server's event stream: a load line every 20 ms, until the server goes."""
-
-    def __init__(self, up: dict[str, bool]) -> None:
-        self.up = up
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        line = json.dumps({"load": encode_load(EngineLoad())}).encode() + b"\n"
-        while self.up["up"]:
-            yield line
-            await asyncio.sleep(0.02)
-        raise httpx.ReadError("server gone")
-
-
 async def test_a_remote_engine_is_unhealthy_once_its_server_is_gone_too_long() -> None:
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
     up = {"up": True}
+    line = json.dumps({"load": encode_load(EngineLoad())}).encode() + b"\n"
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    async def events(request: web.Request) -> web.StreamResponse:
+        """The replica server's event stream: a load line every 20 ms, until it goes."""
+        response = web.StreamResponse()
         if not up["up"]:
-            raise httpx.ConnectError("refused", request=request)
-        return httpx.Response(200, stream=_Pulse(up))
+            request.transport.close()  # type: ignore[union-attr]
+            return response
+        await response.prepare(request)
+        while up["up"]:
+            await response.write(line)
+            await asyncio.sleep(0.02)
+        request.transport.close()  # type: ignore[union-attr]
+        return response
 
+    app = web.Application()
+    app.router.add_get("/engine/events", events)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
     settings = RemoteEngineSettings(
-        "http://127.0.0.1:9", reconnect_interval_s=0.02, unhealthy_after_s=0.3
+        str(server.make_url("")).rstrip("/"), reconnect_interval_s=0.02, unhealthy_after_s=0.3
     )
     engine = RemoteEngine(settings, HASHER, lambda _: None)
-    engine._client = httpx.AsyncClient(  # the transport is the only fake: no server at all
-        transport=httpx.MockTransport(handler), base_url="http://127.0.0.1:9"
-    )
+    engine._session = engine._open_session()
     engine._events_task = asyncio.get_running_loop().create_task(engine._follow_events())
     try:
         await asyncio.sleep(0.5)
@@ -114,6 +112,7 @@ async def test_a_remote_engine_is_unhealthy_once_its_server_is_gone_too_long() -
         assert engine.healthy()
     finally:
         await engine.shutdown()
+        await server.close()
 
 
 async def test_shutdown_drops_the_replica_from_a_shared_registry() -> None:

@@ -5,10 +5,11 @@ when the caller stops reading, and refuses a server that hashes blocks different
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
-import httpx
 import pytest
 
 from prefixmesh.cache_registry.factory import make_hasher
@@ -16,6 +17,7 @@ from prefixmesh.cache_registry.types import EventKind
 from prefixmesh.replica.engines.base import BlockChange, EngineChunk, EngineRequest, HeldMirror
 from prefixmesh.replica.engines.remote_engine import (
     RemoteEngine,
+    RemoteEngineLost,
     RemoteEngineSettings,
     decode_changes,
     decode_chunk,
@@ -23,6 +25,7 @@ from prefixmesh.replica.engines.remote_engine import (
     encode_changes,
     encode_chunk,
     encode_request,
+    ndjson_lines,
 )
 from prefixmesh.wire import SamplingSettings
 from tests.unit.replica.conftest import LiveServer, sim_config
@@ -151,69 +154,99 @@ async def test_an_absent_server_fails_within_the_connect_timeout() -> None:
     await engine.shutdown()
 
 
-class _FailingAfterFirstLine(httpx.AsyncByteStream):
-    """A response body that delivers one chunk, then loses the connection."""
-
-    def __init__(self, line: bytes) -> None:
-        self.line = line
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        yield self.line
-        raise httpx.ReadError("connection lost mid-stream")
+def _dropping(request: Any) -> None:
+    """Close the connection under a request, as a server closing a pooled connection does."""
+    request.transport.close()
 
 
-def _engine_with_transport(handler: Callable[[httpx.Request], object]) -> RemoteEngine:
-    engine = RemoteEngine(
-        RemoteEngineSettings("http://127.0.0.1:9"), make_hasher(sim_config()), lambda _: None
-    )
-    engine._client = httpx.AsyncClient(  # the transport is the only fake: no server at all
-        transport=httpx.MockTransport(handler),  # type: ignore[arg-type]
-        base_url="http://127.0.0.1:9",
-    )
-    return engine
+@contextlib.asynccontextmanager
+async def _engine_against(handler: Callable[[Any], Awaitable[Any]]) -> AsyncIterator[RemoteEngine]:
+    """A remote engine whose server is ``handler`` on a real loopback port (aiohttp's test
+    server): only the server's behaviour is made up, the connection is real."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    settings = RemoteEngineSettings(str(server.make_url("")).rstrip("/"))
+    engine = RemoteEngine(settings, make_hasher(sim_config()), lambda _: None)
+    engine._session = engine._open_session()
+    try:
+        yield engine
+    finally:
+        await engine.shutdown()
+        await server.close()
 
 
 async def test_a_connection_lost_before_any_output_is_resent_once() -> None:
-    # Regression: `prefixmesh compare` lost a request to httpx.ReadError when the replica
+    # Regression: `prefixmesh compare` lost a request to a broken connection when the replica
     # server closed a pooled keep-alive connection just as the Serve replica reused it.
+    from aiohttp import web
+
     calls: list[int] = []
     done = json.dumps(encode_chunk(EngineChunk((7,), True, "length", 0))) + "\n"
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: web.Request) -> web.StreamResponse:
         calls.append(1)
         if len(calls) == 1:
-            raise httpx.ReadError("server closed the connection", request=request)
-        return httpx.Response(200, content=done.encode())
+            _dropping(request)
+        return web.Response(body=done.encode())
 
-    engine = _engine_with_transport(handler)
     request = EngineRequest("r1", PROMPT, SamplingSettings(max_tokens=1))
-    chunks = [c async for c in engine.generate(request)]
+    async with _engine_against(handler) as engine:
+        chunks = [c async for c in engine.generate(request)]
     assert len(calls) == 2 and chunks == [EngineChunk((7,), True, "length", 0)]
 
     calls.clear()
 
-    def always_failing(request: httpx.Request) -> httpx.Response:
+    async def always_failing(request: web.Request) -> web.StreamResponse:
         calls.append(1)
-        raise httpx.ConnectError("refused", request=request)
+        _dropping(request)
+        return web.Response()
 
-    engine = _engine_with_transport(always_failing)
-    with pytest.raises(httpx.ConnectError):
-        _ = [c async for c in engine.generate(request)]
+    async with _engine_against(always_failing) as engine:
+        with pytest.raises(RemoteEngineLost):
+            _ = [c async for c in engine.generate(request)]
     assert len(calls) == 2  # one resend, not a loop
 
 
 async def test_a_connection_lost_after_output_is_not_resent() -> None:
+    from aiohttp import web
+
     calls: list[int] = []
     first = json.dumps(encode_chunk(EngineChunk((7,), False, None, 0))).encode() + b"\n"
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: web.Request) -> web.StreamResponse:
         calls.append(1)
-        return httpx.Response(200, stream=_FailingAfterFirstLine(first))
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(first)
+        await asyncio.sleep(0.05)
+        _dropping(request)  # mid-stream, before the body's end
+        return response
 
-    engine = _engine_with_transport(handler)
     request = EngineRequest("r2", PROMPT, SamplingSettings(max_tokens=5))
     seen: list[EngineChunk] = []
-    with pytest.raises(httpx.ReadError):
-        async for chunk in engine.generate(request):
-            seen.append(chunk)  # noqa: PERF401 (a comprehension would lose what came before)
+    async with _engine_against(handler) as engine:
+        with pytest.raises(RemoteEngineLost):
+            async for chunk in engine.generate(request):
+                seen.append(chunk)  # noqa: PERF401 (a comprehension would lose what came before)
     assert len(calls) == 1 and seen == [EngineChunk((7,), False, None, 0)]
+
+
+async def test_long_lines_are_read_whole() -> None:
+    """A cache snapshot is one NDJSON line, longer than aiohttp's own line limit."""
+
+    class Body:
+        def __init__(self, chunks: list[bytes]) -> None:
+            self.chunks = chunks
+
+        async def iter_any(self) -> AsyncIterator[bytes]:
+            for chunk in self.chunks:
+                yield chunk
+
+    long = b"x" * 300_000
+    body = Body([b'{"a"', b":1}\n\n" + long[:100], long[100:] + b"\n{", b'"b":2}'])
+    assert [line async for line in ndjson_lines(body)] == [b'{"a":1}', long, b'{"b":2}']

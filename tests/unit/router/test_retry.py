@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import ray.exceptions as ray_errors
 
 from prefixmesh.cache_registry.types import BlockHash, PrefixKey
+from prefixmesh.replica.engines.remote_engine import RemoteEngineLost
 from prefixmesh.router.retry import AttemptFailed, is_retryable, retry_request, run_with_retry
 from prefixmesh.wire import GenerateRequest, HoldInstruction, SamplingSettings
 
@@ -54,8 +54,8 @@ def died() -> BaseException:
 
 def remote_engine_broke() -> BaseException:
     # What the ingress sees when the replica's remote engine lost its server: the replica's
-    # task raised an httpx transport error, wrapped by Ray as an instance of its cause.
-    error = ray_errors.RayTaskError("generate", "traceback", httpx.ConnectError("refused"))
+    # task raised RemoteEngineLost, wrapped by Ray as an instance of its cause.
+    error = ray_errors.RayTaskError("generate", "traceback", RemoteEngineLost("refused"))
     return error.as_instanceof_cause()
 
 
@@ -147,14 +147,12 @@ async def test_an_unknown_replica_is_not_added_to_the_avoid_list() -> None:
         (remote_engine_broke(), True),
         (
             ray_errors.RayTaskError(
-                "generate", "tb", httpx.RemoteProtocolError("server disconnected")
+                "generate", "tb", ConnectionResetError("server disconnected")
             ).as_instanceof_cause(),
             True,
         ),
         (  # a slow remote server is not a dead one
-            ray_errors.RayTaskError(
-                "generate", "tb", httpx.ReadTimeout("slow")
-            ).as_instanceof_cause(),
+            ray_errors.RayTaskError("generate", "tb", TimeoutError("slow")).as_instanceof_cause(),
             False,
         ),
         (
