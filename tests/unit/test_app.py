@@ -22,3 +22,13 @@ def test_the_front_deployment_is_health_checked_at_the_configured_period(path: s
     deployment = front._bound_deployment
     assert deployment.name == ("Router" if path == "direct" else "Ingress")
     assert deployment._deployment_config.health_check_period_s == 0.5
+
+
+def test_replicas_ask_for_the_configured_custom_resources() -> None:
+    # How a cluster keeps replicas off the head: only worker nodes offer the resource.
+    overrides = ["replica.engine=sim", "replica.model_path=/nonexistent/model"]
+    plain = build_app(load_config(overrides=overrides))
+    assert "resources" not in plain._bound_deployment.ray_actor_options
+    pinned = build_app(load_config(overrides=[*overrides, "replica.resources={gpu_worker: 1}"]))
+    options = pinned._bound_deployment.ray_actor_options
+    assert options["resources"] == {"gpu_worker": 1.0}
