@@ -17,6 +17,9 @@ GPU-to-CPU swap of seed-003 keep it). For each request:
    dropped from every tier takes the blocks under it with it (unreachable by prefix match).
 4. The policy may then promote lower-tier blocks into the engine tier, dropping colder engine
    blocks for them (HotPrefix).
+
+``future_uses`` computes, before a replay, what the offline ``belady`` reference policy knows
+about it (each block's next use), so that the policy's eviction path only reads it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from prefixmesh.replica.kvcache.policy.base import (
     CachePolicy,
     ManualClock,
 )
+from prefixmesh.replica.kvcache.policy.belady import NEVER, FutureUses
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,21 @@ class CacheSimResult:
     def blocks_promoted(self) -> int:
         """Every block moved up into the engine tier: loads on hit and promotions."""
         return self.blocks_loaded + self.blocks_promoted_ahead
+
+
+def future_uses(requests: Sequence[CacheRequest]) -> FutureUses:
+    """For each request, the index of the next request whose prompt holds each block of its
+    chain (prompt, then answer blocks), ``NEVER`` when none does: one backward pass. Answer
+    blocks are stored but not requested, so only prompts count as uses."""
+    upcoming: dict[BlockHash, int] = {}
+    out: list[tuple[int, ...]] = [()] * len(requests)
+    for index in range(len(requests) - 1, -1, -1):
+        request = requests[index]
+        chain = request.blocks + request.output_blocks if request.output_blocks else request.blocks
+        out[index] = tuple(upcoming.get(block, NEVER) for block in chain)
+        for block in request.blocks:
+            upcoming[block] = index
+    return FutureUses(tuple(out))
 
 
 @dataclass(slots=True)

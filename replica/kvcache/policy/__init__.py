@@ -1,5 +1,8 @@
 """Cache policies of the hierarchical prefix cache: pure strategy objects behind one interface
-(``base.CachePolicy``); ``make_policy`` builds one by name from the ``kvcache`` config."""
+(``base.CachePolicy``); ``make_policy`` builds one by name from the ``kvcache`` config.
+
+``BeladyPolicy`` is the offline reference of the cache simulator: it needs the replay's future
+(``FutureUses``), so it is neither a ``kvcache.policy`` choice nor built by ``make_policy``."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from prefixmesh.replica.kvcache.policy.base import (
     ManualClock,
     Promotion,
 )
+from prefixmesh.replica.kvcache.policy.belady import NEVER, BeladyPolicy, FutureUses
 from prefixmesh.replica.kvcache.policy.hotprefix import HotPrefixPolicy
 from prefixmesh.replica.kvcache.policy.simple import LFUPolicy, LRUPolicy
 from prefixmesh.replica.kvcache.policy.workload import ReuseFit, WorkloadAwarePolicy
@@ -40,10 +44,13 @@ def make_policy(
 
 __all__ = [
     "ENGINE_TIER",
+    "NEVER",
     "POLICY_NAMES",
+    "BeladyPolicy",
     "BlockRef",
     "CachePolicy",
     "Clock",
+    "FutureUses",
     "HotPrefixPolicy",
     "LFUPolicy",
     "LRUPolicy",
