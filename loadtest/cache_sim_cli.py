@@ -8,6 +8,13 @@ the blocks written to the lower tiers and the blocks moved up into the engine ti
 ``--capacity-fraction`` sizes the engine tier as a fraction of the distinct blocks the requests
 use, with lower tiers ``--lower-tiers`` times as large (default one CPU tier the engine tier's
 size, HotPrefix's setting).
+
+Every row is also read against two references run on the same tiers: LRU (``vs_lru``, its
+ratio) and Belady, the offline policy that knows the whole replay (``share_of_belady_gain``:
+(policy - LRU) / (Belady - LRU), so LRU is 0 and Belady 1). The replay's next uses are computed
+once here (``future_uses``), before any policy runs. ``--policies all`` runs every policy,
+``--policies default`` the configured ``kvcache.policy``, which the JSON names
+(``default_policy``).
 """
 
 from __future__ import annotations
@@ -32,14 +39,30 @@ from prefixmesh.loadtest.traces import (
     load_trace,
 )
 from prefixmesh.loadtest.workloads import WORKLOADS, WorkloadRequest, make_workload
-from prefixmesh.replica.kvcache.cache_sim import CacheRequest, CacheSimResult, TieredCacheSim
+from prefixmesh.replica.kvcache.cache_sim import (
+    CacheRequest,
+    CacheSimResult,
+    TieredCacheSim,
+    future_uses,
+)
 from prefixmesh.replica.kvcache.categories import TurnCategorizer
-from prefixmesh.replica.kvcache.policy import POLICY_NAMES, ManualClock, make_policy
+from prefixmesh.replica.kvcache.policy import (
+    POLICY_NAMES,
+    BeladyPolicy,
+    CachePolicy,
+    FutureUses,
+    LRUPolicy,
+    ManualClock,
+    make_policy,
+)
 
 DEFAULT_REQUESTS = 4000
 DEFAULT_WORKLOAD_BLOCK_TOKENS = 16
 """GPU vLLM's block size (anchors-systems 2.7)."""
 TIER_NAMES = ("gpu", "cpu", "disk")
+BELADY = "belady"
+"""The offline reference (not a ``kvcache.policy``: it needs the future)."""
+ALL_POLICIES: tuple[str, ...] = (*POLICY_NAMES, BELADY)
 TRACE_BLOCK_TOKENS: dict[TraceFormat, int] = {
     "mooncake": MOONCAKE_BLOCK_TOKENS,
     "qwen": QWEN_BLOCK_TOKENS,
@@ -91,7 +114,12 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
         help="with --capacity-fraction: lower tiers as multiples of the engine tier (default 1; "
         "0 or an empty list: no lower tier)",
     )
-    parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated")
+    parser.add_argument(
+        "--policies",
+        default="all",
+        help=f"comma-separated, of {', '.join(ALL_POLICIES)}; 'all': every one; 'default': "
+        "the configured kvcache.policy",
+    )
     parser.add_argument(
         "--variant",
         dest="variants",
@@ -99,7 +127,8 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
         action="append",
         metavar=("LABEL", "KEY=VALUE"),
         help="instead of --policies: a row named LABEL with these config settings, e.g. "
-        "--variant write-all kvcache.policy=hotprefix kvcache.hotprefix.admission=false",
+        "--variant write-all kvcache.policy=hotprefix kvcache.hotprefix.admission=false "
+        f"(kvcache.policy={BELADY}: the offline reference)",
     )
     parser.add_argument(
         "--max-turn", type=int, default=8, help="turns above this share one category"
@@ -236,37 +265,127 @@ def capacity_sets(args: argparse.Namespace, distinct_blocks: int) -> list[tuple[
 # ---- runs -----------------------------------------------------------------------------------
 
 
-def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    if args.variants:
-        return [(label, list(overrides)) for label, *overrides in args.variants]
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    unknown = [n for n in names if n not in POLICY_NAMES]
+@dataclass(frozen=True, slots=True)
+class RowSpec:
+    label: str
+    overrides: list[str]
+    """Config settings of the row."""
+    belady: bool = False
+    """The offline reference instead of the configured ``kvcache.policy``."""
+
+    @property
+    def settings(self) -> list[str]:
+        """What the row runs, as config settings (the report's ``variants``)."""
+        return [*self.overrides, f"kvcache.policy={BELADY}"] if self.belady else self.overrides
+
+
+def policy_names(text: str, default_policy: str) -> list[str]:
+    """``--policies``: names, ``all`` and ``default`` expanded, each once, in order."""
+    names: list[str] = []
+    for item in (n.strip() for n in text.split(",")):
+        expanded = (
+            ALL_POLICIES if item == "all" else (default_policy,) if item == "default" else (item,)
+        )
+        names.extend(n for n in expanded if n and n not in names)
+    unknown = [n for n in names if n not in ALL_POLICIES]
     if unknown:
-        raise SystemExit(f"unknown policies {unknown}; choose from {', '.join(POLICY_NAMES)}")
-    return [(name, [f"kvcache.policy={name}"]) for name in names]
+        raise SystemExit(
+            f"unknown policies {unknown}; choose from {', '.join(ALL_POLICIES)}, all, default"
+        )
+    return names
+
+
+def variants(args: argparse.Namespace, default_policy: str) -> list[RowSpec]:
+    if args.variants:
+        rows = []
+        for label, *overrides in args.variants:
+            reference = f"kvcache.policy={BELADY}"
+            rows.append(
+                RowSpec(label, [o for o in overrides if o != reference], reference in overrides)
+            )
+        return rows
+    return [
+        RowSpec(name, [], belady=True)
+        if name == BELADY
+        else RowSpec(name, [f"kvcache.policy={name}"])
+        for name in policy_names(args.policies, default_policy)
+    ]
+
+
+def make_row_policy(
+    spec: RowSpec,
+    config: PrefixmeshConfig,
+    replay: Replay,
+    capacities: tuple[int, ...],
+    future: FutureUses,
+    clock: ManualClock,
+) -> CachePolicy:
+    if spec.belady:
+        return BeladyPolicy(future, capacities)
+    return make_policy(
+        config.kvcache.policy, config.kvcache, clock=clock, block_tokens=replay.block_tokens
+    )
 
 
 def run_policy(
-    replay: Replay, config: PrefixmeshConfig, capacities: tuple[int, ...]
+    replay: Replay, policy: CachePolicy, capacities: tuple[int, ...], clock: ManualClock
 ) -> tuple[CacheSimResult, float]:
-    clock = ManualClock()
-    policy = make_policy(
-        config.kvcache.policy, config.kvcache, clock=clock, block_tokens=replay.block_tokens
-    )
+    """One replay on empty tiers; the result and the seconds it took."""
     started = time.perf_counter()
     result = TieredCacheSim(capacities, policy, clock).run(replay.requests)
     return result, time.perf_counter() - started
+
+
+@dataclass(frozen=True, slots=True)
+class References:
+    """The hit rates every row is read against, on one set of tiers."""
+
+    lru: float
+    belady: float
+
+    def vs_lru(self, hit_rate: float) -> float | None:
+        return hit_rate / self.lru if self.lru > 0 else None
+
+    def share_of_gain(self, hit_rate: float) -> float | None:
+        """(policy - LRU) / (Belady - LRU); None when Belady gains nothing over LRU."""
+        gain = self.belady - self.lru
+        return (hit_rate - self.lru) / gain if gain > 1e-12 else None
+
+
+def reference_rates(
+    replay: Replay,
+    capacities: tuple[int, ...],
+    future: FutureUses,
+    done: dict[str, CacheSimResult],
+) -> References:
+    """LRU's and Belady's hit rates on ``capacities``, reusing the rows that ran either
+    (``done``, by policy name: neither has settings)."""
+    lru = done.get("lru")
+    if lru is None:
+        lru, _ = run_policy(replay, LRUPolicy(), capacities, ManualClock())
+    best = done.get(BELADY)
+    if best is None:
+        best, _ = run_policy(replay, BeladyPolicy(future, capacities), capacities, ManualClock())
+    return References(lru.hit_rate, best.hit_rate)
 
 
 def tier_name(tier: int) -> str:
     return TIER_NAMES[tier] if tier < len(TIER_NAMES) else f"tier{tier}"
 
 
-def result_row(label: str, result: CacheSimResult, wall_s: float) -> dict[str, Any]:
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def result_row(
+    label: str, result: CacheSimResult, wall_s: float, references: References
+) -> dict[str, Any]:
     return {
         "policy": label,
         "capacity_blocks": list(result.capacity_blocks),
         "hit_rate": round(result.hit_rate, 6),
+        "vs_lru": _rounded(references.vs_lru(result.hit_rate)),
+        "share_of_belady_gain": _rounded(references.share_of_gain(result.hit_rate)),
         "hit_rate_by_tier": {
             tier_name(t): round(rate, 6) for t, rate in enumerate(result.hit_rate_by_tier)
         },
@@ -283,26 +402,31 @@ def result_row(label: str, result: CacheSimResult, wall_s: float) -> dict[str, A
     }
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def format_table(replay: Replay, rows: Sequence[dict[str, Any]]) -> str:
-    lru = {tuple(r["capacity_blocks"]): r["hit_rate"] for r in rows if r["policy"] == "lru"}
     lines = [
         f"{replay.name}: {len(replay.requests)} requests, {replay.block_tokens}-token blocks, "
         f"{replay.distinct_blocks:,} distinct blocks, ceiling hit rate "
         f"{replay.ceiling_hit_rate:.1%}",
         "",
-        f"{'policy':<16} {'capacity_blocks':<16} {'hit':>6} {'vs_lru':>6} {'by_tier':<20} "
-        f"{'written':>8} {'promoted':>8} {'evicted':>8} {'rejected':>8} {'wall_s':>6}",
+        f"{'policy':<16} {'capacity_blocks':<16} {'hit':>6} {'vs_lru':>6} {'gain':>6} "
+        f"{'by_tier':<20} {'written':>8} {'promoted':>8} {'evicted':>8} {'rejected':>8} "
+        f"{'wall_s':>6}",
     ]
     for row in rows:
-        capacities = tuple(row["capacity_blocks"])
-        base = lru.get(capacities)
-        ratio = f"{row['hit_rate'] / base:.3f}" if base else "-"
+        capacities = ",".join(map(str, row["capacity_blocks"]))
         by_tier = " ".join(f"{t}={v:.1%}" for t, v in row["hit_rate_by_tier"].items())
         lines.append(
-            f"{row['policy']:<16} {','.join(map(str, capacities)):<16} {row['hit_rate']:>6.1%} "
-            f"{ratio:>6} {by_tier:<20} {row['blocks_written']:>8} {row['blocks_promoted']:>8} "
+            f"{row['policy']:<16} {capacities:<16} {row['hit_rate']:>6.1%} "
+            f"{_ratio(row['vs_lru']):>6} {_ratio(row['share_of_belady_gain']):>6} "
+            f"{by_tier:<20} {row['blocks_written']:>8} {row['blocks_promoted']:>8} "
             f"{row['blocks_evicted']:>8} {row['blocks_rejected']:>8} {row['wall_s']:>6.1f}"
         )
+    lines.append("")
+    lines.append("vs_lru: hit rate / LRU's; gain: (hit - LRU) / (Belady - LRU), the offline bound")
     return "\n".join(lines)
 
 
@@ -342,27 +466,43 @@ def plot_results(replay: Replay, rows: Sequence[dict[str, Any]], path: Path) -> 
 def main(argv: list[str], prog: str = "cache-sim") -> int:
     args = parse_args(argv, prog)
     base = load_config(args.config, args.set)
-    rows_spec = variants(args)
+    default_policy = base.kvcache.policy
+    specs = variants(args, default_policy)
     replay = build_replay(args)
     if not replay.requests:
         raise SystemExit("no requests to replay")
+    future = future_uses(replay.requests)  # what Belady knows, computed once
     capacities = capacity_sets(args, replay.distinct_blocks)
     rows: list[dict[str, Any]] = []
+    references: list[dict[str, Any]] = []
     for sizes in capacities:
-        for label, overrides in rows_spec:
-            config = load_config(args.config, [*args.set, *overrides])
-            result, wall_s = run_policy(replay, config, sizes)
-            rows.append(result_row(label, result, wall_s))
+        ran: list[tuple[RowSpec, CacheSimResult, float]] = []
+        done: dict[str, CacheSimResult] = {}
+        for spec in specs:
+            config = load_config(args.config, [*args.set, *spec.overrides])
+            clock = ManualClock()
+            policy = make_row_policy(spec, config, replay, sizes, future, clock)
+            result, wall_s = run_policy(replay, policy, sizes, clock)
+            done.setdefault(policy.name, result)
+            ran.append((spec, result, wall_s))
+        refs = reference_rates(replay, sizes, future, done)
+        references.append(
+            {"capacity_blocks": list(sizes), "lru_hit_rate": round(refs.lru, 6),
+             "belady_hit_rate": round(refs.belady, 6)}
+        )  # fmt: skip
+        rows.extend(result_row(spec.label, result, wall_s, refs) for spec, result, wall_s in ran)
     print(format_table(replay, rows))
     if args.json:
         report = {
             "results": rows,
+            "references": references,
+            "default_policy": default_policy,
             "source": replay.name,
             "requests": len(replay.requests),
             "block_tokens": replay.block_tokens,
             "distinct_blocks": replay.distinct_blocks,
             "ceiling_hit_rate": round(replay.ceiling_hit_rate, 6),
-            "variants": {label: overrides for label, overrides in rows_spec},
+            "variants": {spec.label: spec.settings for spec in specs},
             "kvcache": base.kvcache.model_dump(),
         }
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -117,3 +117,80 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         cache_sim_cli.main(["--trace", str(trace), "--capacity-blocks", "0,4"])
     with pytest.raises(SystemExit):
         cache_sim_cli.main(["--trace", str(trace), "--capacity-blocks", "4", "--policies", "fifo"])
+    with pytest.raises(SystemExit):
+        cache_sim_cli.main(["--trace", str(trace), "--capacity-blocks", "4", "--policies", "all,x"])
+
+
+# a b c a b a through room for two: LRU hits only the last a (1 of 6); Belady evicts b for c,
+# hits a, evicts c (never used again) for b, hits a again (2 of 6).
+TEXTBOOK = [
+    {"timestamp": t, "input_length": 512, "output_length": 1, "hash_ids": [h]}
+    for t, h in enumerate([1, 2, 3, 1, 2, 1])
+]
+
+
+def test_all_policies_read_against_lru_and_belady(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace, out = write(tmp_path / "abc.jsonl", TEXTBOOK), tmp_path / "out.json"
+    argv = [
+        "--trace", str(trace), "--capacity-blocks", "2", "--policies", "all,belady",
+        "--set", "kvcache.policy=workload", "--json", str(out),
+    ]  # fmt: skip
+    assert cache_sim_cli.main(argv) == 0
+    assert "gain" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["default_policy"] == "workload"
+    rows = {r["policy"]: r for r in report["results"]}
+    assert list(rows) == ["lru", "lfu", "hotprefix", "workload", "belady"]
+    assert report["references"] == [
+        {"capacity_blocks": [2], "lru_hit_rate": pytest.approx(1 / 6, abs=1e-6),
+         "belady_hit_rate": pytest.approx(2 / 6, abs=1e-6)}
+    ]  # fmt: skip
+    assert (rows["lru"]["vs_lru"], rows["lru"]["share_of_belady_gain"]) == (1.0, 0.0)
+    assert (rows["belady"]["vs_lru"], rows["belady"]["share_of_belady_gain"]) == (2.0, 1.0)
+    for row in rows.values():
+        hit = row["hit_rate"]
+        assert row["vs_lru"] == pytest.approx(hit * 6, abs=1e-3)
+        assert row["share_of_belady_gain"] == pytest.approx((hit - 1 / 6) * 6, abs=1e-3)
+        assert row["hit_rate"] <= rows["belady"]["hit_rate"]
+    assert report["variants"]["belady"] == ["kvcache.policy=belady"]
+
+
+def test_default_runs_the_configured_policy_and_references_still_run(tmp_path: Path) -> None:
+    trace, out = write(tmp_path / "abc.jsonl", TEXTBOOK), tmp_path / "out.json"
+    argv = [
+        "--trace", str(trace), "--capacity-blocks", "2", "--capacity-blocks", "1,1",
+        "--policies", "default", "--set", "kvcache.policy=lfu", "--json", str(out),
+    ]  # fmt: skip
+    assert cache_sim_cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["default_policy"] == "lfu"
+    assert [(r["policy"], r["capacity_blocks"]) for r in report["results"]] == [
+        ("lfu", [2]),
+        ("lfu", [1, 1]),
+    ]
+    assert [r["capacity_blocks"] for r in report["references"]] == [[2], [1, 1]]
+    # engine 1 + CPU 1 keeps what one tier of 2 keeps under Belady (exclusive tiers)
+    assert report["references"][1]["belady_hit_rate"] == pytest.approx(2 / 6, abs=1e-6)
+
+
+def test_a_variant_may_name_belady_and_gain_is_none_when_belady_gains_nothing(
+    tmp_path: Path,
+) -> None:
+    trace, out = write(tmp_path / "abc.jsonl", TEXTBOOK), tmp_path / "out.json"
+    argv = [
+        "--trace", str(trace), "--capacity-blocks", "3",
+        "--variant", "oracle", "kvcache.policy=belady", "--variant", "plain", "kvcache.policy=lru",
+        "--json", str(out),
+    ]  # fmt: skip
+    assert cache_sim_cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["variants"] == {
+        "oracle": ["kvcache.policy=belady"],
+        "plain": ["kvcache.policy=lru"],
+    }
+    # room for all three blocks: every policy hits 3 of 6, Belady gains nothing over LRU
+    for row in report["results"]:
+        assert row["hit_rate"] == pytest.approx(0.5)
+        assert (row["vs_lru"], row["share_of_belady_gain"]) == (1.0, None)
