@@ -63,6 +63,8 @@ TIER_NAMES = ("gpu", "cpu", "disk")
 BELADY = "belady"
 """The offline reference (not a ``kvcache.policy``: it needs the future)."""
 ALL_POLICIES: tuple[str, ...] = (*POLICY_NAMES, BELADY)
+MIN_GAIN = 0.001
+"""Belady's gain over LRU (hit rate) below which no share of it is reported."""
 TRACE_BLOCK_TOKENS: dict[TraceFormat, int] = {
     "mooncake": MOONCAKE_BLOCK_TOKENS,
     "qwen": QWEN_BLOCK_TOKENS,
@@ -347,9 +349,10 @@ class References:
         return hit_rate / self.lru if self.lru > 0 else None
 
     def share_of_gain(self, hit_rate: float) -> float | None:
-        """(policy - LRU) / (Belady - LRU); None when Belady gains nothing over LRU."""
+        """(policy - LRU) / (Belady - LRU); None when Belady gains less than ``MIN_GAIN``
+        over LRU (a share of a handful of blocks is noise: -31 for a 0.02-point miss)."""
         gain = self.belady - self.lru
-        return (hit_rate - self.lru) / gain if gain > 1e-12 else None
+        return (hit_rate - self.lru) / gain if gain >= MIN_GAIN else None
 
 
 def reference_rates(

@@ -194,3 +194,11 @@ def test_a_variant_may_name_belady_and_gain_is_none_when_belady_gains_nothing(
     for row in report["results"]:
         assert row["hit_rate"] == pytest.approx(0.5)
         assert (row["vs_lru"], row["share_of_belady_gain"]) == (1.0, None)
+
+
+def test_no_share_of_a_gain_too_small_to_divide() -> None:
+    refs = cache_sim_cli.References(lru=0.5, belady=0.5005)
+    assert refs.share_of_gain(0.49) is None
+    assert refs.vs_lru(0.55) == pytest.approx(1.1)
+    assert cache_sim_cli.References(lru=0.5, belady=0.6).share_of_gain(0.55) == pytest.approx(0.5)
+    assert cache_sim_cli.References(lru=0.0, belady=0.1).vs_lru(0.05) is None
