@@ -8,6 +8,12 @@ before it leaves HAProxy an empty response, and one whose engine fails before it
 HAProxy sends both to another replica (``serving.retry_on`` with ``option redispatch``). After
 the first token a failure ends the stream with an error event and ``[DONE]``.
 
+Limits come before work (``wire/limits.py``): a body over ``limits.max_body_bytes`` is refused
+by its Content-Length before it is read (HAProxy routed it blind: the router saw a truncated
+body), a prompt that cannot fit the context before it is tokenized, and a request that outlives
+``ingress.request_timeout_s`` from its arrival at the router ends with a 504 or, streaming, an
+error event. Every error is OpenAI JSON (``wire/api_errors.py``), 404 and 405 included.
+
 GETs (models, health, metrics) reach any replica: HAProxy balances them by connections.
 """
 
@@ -28,7 +34,9 @@ from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.replica.deployment import ReplicaServer
 from prefixmesh.replica.spans import trace_parent
 from prefixmesh.wire import GenerateChunk, GenerateRequest
+from prefixmesh.wire.api_errors import error_response, install_error_handlers
 from prefixmesh.wire.generation import Generation
+from prefixmesh.wire.limits import RequestLimits, timed_out, until_deadline
 from prefixmesh.wire.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -54,7 +62,7 @@ from prefixmesh.wire.request_metrics import DirectMetrics
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 
 logger = logging.getLogger(__name__)
-api = FastAPI(title="prefixmesh replica", docs_url=None, redoc_url=None)
+api = install_error_handlers(FastAPI(title="prefixmesh replica", docs_url=None, redoc_url=None))
 
 
 class _LocalStream:
@@ -88,7 +96,7 @@ class ReplicaHTTPServer(ReplicaServer):
         self._hasher = make_hasher(self.config)
         self._metrics = DirectMetrics()
         self._max_model_len = self.config.replica.vllm.max_model_len
-        self._max_body_bytes = self.config.serving.max_body_bytes
+        self._limits = RequestLimits.from_config(self.config, self._encoder.hf)
         self._created = int(time.time())
 
     # ---- small endpoints -------------------------------------------------------------------
@@ -125,32 +133,36 @@ class ReplicaHTTPServer(ReplicaServer):
             return await self._respond(request, chat, ticket, received_ns)
         except APIError as exc:
             self._metrics.error(exc.status)
-            return JSONResponse(exc.body(), status_code=exc.status)
+            return error_response(exc)
 
     async def _respond(
         self, request: Request, chat: bool, ticket: RouteTicket | None, received_ns: int
     ) -> Response:
-        raw = await request.body()
-        if len(raw) > self._max_body_bytes:
-            # Longer than HAProxy forwards to the router: it balanced the request blind.
-            raise APIError(
-                413,
-                f"the request body has {len(raw)} bytes; the limit is {self._max_body_bytes}",
-                code="request_too_large",
-            )
+        limits = self._limits
+        # Longer than HAProxy forwards to the router (it balanced the request blind), or than
+        # the limit: refused before it is read.
+        raw = await limits.read_body(request)
         body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
         check_model(body.model, self.config.model)
+        limits.admit(body)
+        # The total time counts from when the request entered the cluster (the router's clock).
+        entered_ns = ticket.arrived_ns if ticket is not None and ticket.arrived_ns else received_ns
+        waited_s = max(0, time.time_ns() - entered_ns) / 1e9
+        deadline = limits.deadline(waited_s)
         ids, max_tokens = await self._encoder.prompt_of(body, chat)
         sampling = body.engine_sampling(
-            len(ids), max_tokens, self._max_model_len, self._encoder.eos_token_id
+            len(ids),
+            max_tokens,
+            self._max_model_len,
+            self._encoder.eos_token_id,
+            limits.max_tokens,
         )
         key = self._hasher.hash_tokens(ids)
         # The router's decision is the spans' parent; the client's traceparent when there is none.
         context = trace_parent(ticket.trace_context if ticket else None, request.headers)
         generate = self._request(ticket, chat, tuple(ids), key, sampling, context)
         # TTFT counts from when the request entered the cluster (the router's clock).
-        entered_ns = ticket.arrived_ns if ticket is not None and ticket.arrived_ns else received_ns
-        started_s = time.monotonic() - max(0, time.time_ns() - entered_ns) / 1e9
+        started_s = time.monotonic() - waited_s
         generation = Generation(
             _LocalStream(self.generate(generate)),
             self._encoder.decode,
@@ -162,7 +174,10 @@ class ReplicaHTTPServer(ReplicaServer):
             started_s=started_s,
         )
         try:
-            await generation.first()
+            async with asyncio.timeout_at(deadline):
+                await generation.first()
+        except TimeoutError:  # not 503: another replica would not be faster
+            raise timed_out(limits.timeout_s) from None
         except Exception as exc:  # nothing sent yet: 503 makes HAProxy try another replica
             logger.warning(
                 "request %s failed before its first token: %s", generate.request_id, brief(exc)
@@ -188,12 +203,13 @@ class ReplicaHTTPServer(ReplicaServer):
                 self._stream_failed(request_id),
                 lambda: self._metrics.finished(generation),
             )
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            bounded = until_deadline(events, deadline, self._stream_expired(request_id))
+            return StreamingResponse(bounded, media_type="text/event-stream", headers=headers)
         try:
-            async with asyncio.timeout(self.config.ingress.request_timeout_s):
+            async with asyncio.timeout_at(deadline):
                 text, finish = await collect(generation)
         except TimeoutError:
-            raise APIError(504, "the request timed out", error_type="server_error") from None
+            raise timed_out(limits.timeout_s) from None
         self._metrics.finished(generation)
         payload = full_body(request_id, self.config.model, chat, text, finish, generation)
         return JSONResponse(payload, headers=headers)
@@ -239,3 +255,11 @@ class ReplicaHTTPServer(ReplicaServer):
             return mid_stream_error(exc)
 
         return failed
+
+    def _stream_expired(self, request_id: str) -> Any:
+        def expired() -> APIError:
+            logger.warning("stream %s ran past the request timeout", request_id)
+            self._metrics.stream_errors.inc()
+            return timed_out(self._limits.timeout_s)
+
+        return expired

@@ -1,0 +1,218 @@
+"""The direct path's replica refuses before it works (issue 17): a 10 MB body with 413 before
+it is read or parsed, a prompt that cannot fit with 400 ``context_length_exceeded`` before it
+is tokenized (and one that tokenizes past the context after), ``max_tokens`` over the cap with
+400, a request past its time with 504 or an error event; and every error, 404 and 405
+included, is OpenAI JSON. Its FastAPI app runs in-process on an instance built without Serve
+(``tests/fakes/serve_ingress.py``), with a fake engine stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from prefixmesh.cache_registry.factory import make_hasher
+from prefixmesh.config import load_config
+from prefixmesh.replica import openai_server
+from prefixmesh.replica.openai_server import ReplicaHTTPServer
+from prefixmesh.wire import GenerateChunk, GenerateRequest
+from prefixmesh.wire.limits import RequestLimits
+from prefixmesh.wire.openai_render import PromptEncoder
+from prefixmesh.wire.request_metrics import DirectMetrics
+from tests.fakes.serve_ingress import bind, fast_tokenizer, spy, spy_global, user_class
+from tests.unit.router.test_metrics import samples
+from tests.unit.test_wire_api_errors import openai_error
+
+MODEL = "demo-tiny"
+TEN_MB = 10_000_000
+LIMITS = (
+    "replica.vllm.max_model_len=64",
+    "limits.max_chars_per_token=4",
+    "limits.max_tokens=32",
+    "ingress.request_timeout_s=0.2",  # the fake engine below stalls for ever, or answers at once
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return fast_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+class _Engine:
+    """``ReplicaServer.generate``: ``tokens`` chunks, then the end or a stall."""
+
+    def __init__(self, tokens: int = 2, stall: bool = False) -> None:
+        self.tokens = tokens
+        self.stall = stall
+        self.requests: list[GenerateRequest] = []
+
+    async def __call__(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self.requests.append(request)
+        for i in range(self.tokens):
+            last = i == self.tokens - 1 and not self.stall
+            yield GenerateChunk((5,), last, "length" if last else None, replica_id="r1")
+        if self.stall:
+            await asyncio.Event().wait()
+
+
+class Replica:
+    def __init__(self, server: Any, client: TestClient) -> None:
+        self.server = server
+        self.client = client
+
+    def post(self, body: Any, path: str = "/v1/completions", **kwargs: Any) -> Any:
+        return self.client.post(path, json=body, **kwargs)
+
+    def statuses(self) -> dict[str, float]:
+        got = samples(self.server._metrics.render())
+        return {
+            labels[0][1]: v
+            for (name, labels), v in got.items()
+            if name.endswith("requests_total") and labels
+        }
+
+
+@pytest.fixture
+def replica(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> Iterator[Replica]:
+    config = load_config(overrides=list(LIMITS))
+    server = bind(
+        monkeypatch,
+        ReplicaHTTPServer,
+        config=config,
+        replica_id="r1",
+        runtime=None,
+        _encoder=PromptEncoder(tokenizer),
+        _hasher=make_hasher(config),
+        _metrics=DirectMetrics(),
+        _max_model_len=64,
+        _limits=RequestLimits.from_config(config, tokenizer),
+        _created=0,
+        generate=_Engine(),
+    )
+    with TestClient(openai_server.api) as client:
+        yield Replica(server, client)
+
+
+@pytest.fixture
+def work(monkeypatch: pytest.MonkeyPatch, replica: Replica) -> dict[str, list[Any]]:
+    """The calls of the parser and the tokenizer, as the replica makes them."""
+    encoder = replica.server._encoder
+    return {
+        "parse": spy_global(monkeypatch, user_class(ReplicaHTTPServer)._respond, "parse_body"),
+        "encode": spy(monkeypatch, encoder, "encode"),
+        "encode_messages": spy(monkeypatch, encoder, "encode_messages"),
+    }
+
+
+def parsed_and_tokenized(work: dict[str, list[Any]]) -> tuple[int, int]:
+    return len(work["parse"]), len(work["encode"]) + len(work["encode_messages"])
+
+
+def test_a_10_mb_body_is_refused_before_it_is_parsed(
+    replica: Replica, work: dict[str, list[Any]]
+) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "x" * TEN_MB}).encode()
+    error = openai_error(replica.client.post("/v1/completions", content=body), 413)
+    assert (error["code"], error["param"]) == ("request_too_large", None)
+    assert f"{len(body)} bytes" in error["message"]
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield b'{"model": "demo-tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"y" * 1_000_000
+        yield b'"}]}'
+
+    chat = replica.client.post("/v1/chat/completions", content=chunked())
+    assert openai_error(chat, 413)["code"] == "request_too_large"
+    assert parsed_and_tokenized(work) == (0, 0)
+    assert replica.statuses() == {"413": 2.0}
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(
+    replica: Replica, work: dict[str, list[Any]]
+) -> None:
+    error = openai_error(replica.post({"model": MODEL, "prompt": "x" * 400}), 400)
+    assert (error["code"], error["param"], error["type"]) == (
+        "context_length_exceeded",
+        "prompt",
+        "invalid_request_error",
+    )
+    assert error["message"].startswith("This model's maximum context length is 64 tokens.")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300}]}
+    error = openai_error(replica.post(chat, "/v1/chat/completions"), 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    ids = {"model": MODEL, "prompt": [7] * 60, "max_tokens": 8}
+    assert openai_error(replica.post(ids), 400)["code"] == "context_length_exceeded"
+    assert parsed_and_tokenized(work) == (3, 0)
+
+
+def test_a_prompt_that_tokenizes_past_the_context_is_400_too(
+    replica: Replica, work: dict[str, list[Any]]
+) -> None:
+    # 40 characters (10 tokens at least by the bound) of 3 bytes each: a byte-level token each.
+    prompt = "€" * 40
+    error = openai_error(replica.post({"model": MODEL, "prompt": prompt, "max_tokens": 4}), 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+    assert "in the prompt, 4 in the completion" in error["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
+    error = openai_error(replica.post(chat, "/v1/chat/completions"), 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    assert parsed_and_tokenized(work) == (2, 2)
+    assert replica.server.generate.requests == []
+
+
+def test_max_tokens_over_the_cap_is_400_and_the_cap_bounds_a_chat_without_one(
+    replica: Replica, work: dict[str, list[Any]]
+) -> None:
+    error = openai_error(replica.post({"model": MODEL, "prompt": "hi", "max_tokens": 33}), 400)
+    assert (error["param"], error["code"]) == ("max_tokens", None)
+    assert "at most 32 completion tokens" in error["message"]
+    assert parsed_and_tokenized(work) == (1, 0)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    assert replica.post(chat, "/v1/chat/completions").status_code == 200
+    (request,) = replica.server.generate.requests
+    assert request.sampling.max_tokens == 32  # not the rest of the 64-token context
+
+
+def test_unknown_paths_methods_and_fields_are_openai_json(replica: Replica) -> None:
+    assert (
+        openai_error(replica.client.get("/v1/nope"), 404)["message"] == "Invalid URL (GET /v1/nope)"
+    )
+    assert openai_error(replica.client.post("/v1/models"), 405)["code"] == "method_not_allowed"
+    assert (
+        openai_error(replica.client.get("/v1/completions"), 405)["type"] == "invalid_request_error"
+    )
+    assert openai_error(replica.post({"model": MODEL, "prompt": 3}), 422)["param"] == "prompt"
+    bad = {"model": MODEL, "prompt": "hi", "max_tokens": 0}
+    assert openai_error(replica.post(bad), 422)["param"] == "max_tokens"
+    assert openai_error(replica.post({"model": MODEL, "prompt": [10**6]}), 422)["param"] == "prompt"
+    assert openai_error(replica.post({"model": "gpt-4", "prompt": "hi"}), 404)["param"] == "model"
+
+
+def test_a_request_past_its_time_is_504_or_ends_its_stream(replica: Replica) -> None:
+    replica.server.generate = _Engine(tokens=0, stall=True)  # no first token
+    error = openai_error(replica.post({"model": MODEL, "prompt": "hi"}), 504)
+    assert (error["type"], error["code"]) == ("server_error", "timeout")
+    replica.server.generate = _Engine(tokens=1, stall=True)  # one token, then nothing
+    assert openai_error(replica.post({"model": MODEL, "prompt": "hi"}), 504)["code"] == "timeout"
+    body = {"model": MODEL, "prompt": "hi", "stream": True}
+    with replica.client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] is not None
+    assert json.loads(events[-2])["error"]["code"] == "timeout" and events[-1] == "[DONE]"
+    assert samples(replica.server._metrics.render())[("prefixmesh_stream_errors_total", ())] == 1
+
+
+def test_a_request_within_its_limits_is_served(replica: Replica) -> None:
+    response = replica.post({"model": MODEL, "prompt": "alpha beta", "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+    body = {"model": MODEL, "prompt": "alpha beta", "max_tokens": 2, "stream": True}
+    with replica.client.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and "error" not in "".join(lines)
