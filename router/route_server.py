@@ -18,6 +18,11 @@ HAProxy answers the client 503 when a routing call errs or outlasts
 ``serving.router_timeout_s``, so this never errs and answers within ``route_budget_share`` of
 it: an invalid body (the replica re-validates it and answers the OpenAI error), a body longer
 than HAProxy forwards, a slow registry or a failing policy all get a load-balanced pick.
+
+Limits come before work here too (``wire/limits.py``): a truncated body is not read, one over
+``limits.max_body_bytes`` is not read past the limit, and a prompt that cannot fit the context
+(or a ``max_tokens`` over the cap) is not tokenized; each gets a load-balanced pick, and the
+replica refuses it as cheaply with the OpenAI error.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.router.local_state import local_state
 from prefixmesh.router.spans import NO_ROUTER_TRACE, NoRouterTrace, router_trace
 from prefixmesh.wire import GenerateRequest, LoadBalanced
+from prefixmesh.wire.api_errors import install_error_handlers
+from prefixmesh.wire.limits import BodySource, RequestLimits
 from prefixmesh.wire.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -53,7 +60,7 @@ from prefixmesh.wire.request_progress import RequestProgress
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 
 logger = logging.getLogger(__name__)
-api = FastAPI(title="prefixmesh router", docs_url=None, redoc_url=None)
+api = install_error_handlers(FastAPI(title="prefixmesh router", docs_url=None, redoc_url=None))
 TRUNCATED_HEADER = "x-body-truncated"
 """HAProxy's mark on a body longer than it buffers for the router."""
 _CHAT_KEYS = (b'"messages"',)
@@ -76,6 +83,7 @@ class RouterServer:
         self._local = local_state(config.app_name, lambda: make_memory_state(config))
         self._registry_probe = make_registry_probe(config)
         self._max_model_len = config.replica.vllm.max_model_len
+        self._limits = RequestLimits.from_config(config, self._encoder.hf)
         serving = config.serving
         self._budget_s = serving.router_timeout_s * serving.route_budget_share
         self._unseen_expiry_s = config.ingress.request_timeout_s
@@ -85,14 +93,13 @@ class RouterServer:
     @api.post("/internal/route")
     async def route(self, request: Request) -> Response:
         arrived_ns = time.time_ns()
-        raw = await request.body()
         truncated = TRUNCATED_HEADER in request.headers
         trace = router_trace(request.headers, arrived_ns, truncated)  # no-op when tracing is off
         generate: GenerateRequest | None = None
         try:
             async with asyncio.timeout(self._budget_s):
                 if not truncated:  # a truncated body would key a wrong prefix: balance it
-                    generate = await self._prepare(raw, trace.carrier)
+                    generate = await self._prepare(request, trace.carrier)
                 return await self._choose(generate, arrived_ns, trace)
         except Exception as exc:  # the deadline, or anything else: never HAProxy's 503
             if not isinstance(exc, TimeoutError):
@@ -106,17 +113,24 @@ class RouterServer:
             trace.end()
 
     async def _prepare(
-        self, raw: bytes, trace_context: dict[str, str] | None = None
+        self, request: BodySource, trace_context: dict[str, str] | None = None
     ) -> GenerateRequest | None:
         """The request as the replicas' router sees it; None for input the replica will refuse
-        (it answers the OpenAI error itself)."""
-        chat = any(key in raw for key in _CHAT_KEYS)
+        (it answers the OpenAI error itself), found before the work it would waste."""
+        limits = self._limits
         try:
+            raw = await limits.read_body(request)
+            chat = any(key in raw for key in _CHAT_KEYS)
             body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
             check_model(body.model, self.config.model)
+            limits.admit(body)
             ids, max_tokens = await self._encoder.prompt_of(body, chat)
             sampling = body.engine_sampling(
-                len(ids), max_tokens, self._max_model_len, self._encoder.eos_token_id
+                len(ids),
+                max_tokens,
+                self._max_model_len,
+                self._encoder.eos_token_id,
+                limits.max_tokens,
             )
         except APIError:
             return None

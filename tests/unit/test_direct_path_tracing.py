@@ -50,8 +50,8 @@ class _Replicas:
 class _Router(SimpleNamespace):
     """What ``RouterServer.route`` reads of the server."""
 
-    async def _prepare(self, raw: bytes, trace_context: Any) -> GenerateRequest:
-        if raw == b"boom":
+    async def _prepare(self, request: _HTTPRequest, trace_context: Any) -> GenerateRequest:
+        if await request.body() == b"boom":
             raise RuntimeError("tokenizer bug")
         return GenerateRequest(
             "cmpl-1", tuple(range(10)), KEY, SamplingSettings(4), trace_context=trace_context
