@@ -3,6 +3,11 @@
 It validates, applies the chat template, tokenizes and hashes the prompt once, and hands token
 ids and block keys to the replicas through a handle whose request router is ours. In the
 in-process registry mode it also receives the replicas' cache events.
+
+Limits come before work (``wire/limits.py``): a body over ``limits.max_body_bytes`` is refused
+before it is read, a prompt that cannot fit the context before it is tokenized, and a request
+that outlives ``ingress.request_timeout_s`` (retries and streams included) ends with a 504 or,
+streaming, an error event. Every error is OpenAI JSON (``wire/api_errors.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from prefixmesh.router.local_state import local_state
 from prefixmesh.router.retry import AttemptFailed, retry_request, run_with_retry
 from prefixmesh.router.spans import NoRequestTrace, request_trace
 from prefixmesh.wire import GenerateRequest
+from prefixmesh.wire.api_errors import error_response, install_error_handlers
 from prefixmesh.wire.generation import Generation
+from prefixmesh.wire.limits import RequestLimits, timed_out, until_deadline
 from prefixmesh.wire.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -53,11 +60,7 @@ from prefixmesh.wire.openai_render import (
 from prefixmesh.wire.request_metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
-api = FastAPI(title="prefixmesh", docs_url=None, redoc_url=None)
-
-
-def _error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+api = install_error_handlers(FastAPI(title="prefixmesh", docs_url=None, redoc_url=None))
 
 
 async def _started(generation: Generation) -> tuple[str, str] | None:
@@ -95,6 +98,7 @@ class IngressServer:
         self._registry_probe = make_registry_probe(config)
         self._metrics = RequestMetrics()
         self._max_model_len = config.replica.vllm.max_model_len
+        self._limits = RequestLimits.from_config(config, self._encoder.hf)
         self._created = int(time.time())
 
     # ---- small endpoints -------------------------------------------------------------------
@@ -133,31 +137,34 @@ class IngressServer:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        arrived_ns = time.time_ns()
-        try:
-            body = parse_body(await request.body(), CompletionRequest)
-            check_model(body.model, self.config.model)
-            ids, max_tokens = await self._encoder.prompt_of(body, chat=False)
-            return await self._respond(
-                body, ids, max_tokens, chat=False, headers=request.headers, arrived_ns=arrived_ns
-            )
-        except APIError as exc:
-            self._metrics.error(exc.status)
-            return _error(exc)
+        return await self._serve(request, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: Request, chat: bool) -> Response:
         arrived_ns = time.time_ns()
+        limits = self._limits
         try:
-            body = parse_body(await request.body(), ChatCompletionRequest)
+            raw = await limits.read_body(request)  # a body over the limit is not read
+            body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
             check_model(body.model, self.config.model)
-            ids, max_tokens = await self._encoder.prompt_of(body, chat=True)
+            limits.admit(body)  # a prompt that cannot fit is not tokenized
+            deadline = limits.deadline((time.time_ns() - arrived_ns) / 1e9)
+            ids, max_tokens = await self._encoder.prompt_of(body, chat=chat)
             return await self._respond(
-                body, ids, max_tokens, chat=True, headers=request.headers, arrived_ns=arrived_ns
+                body,
+                ids,
+                max_tokens,
+                chat=chat,
+                headers=request.headers,
+                arrived_ns=arrived_ns,
+                deadline=deadline,
             )
         except APIError as exc:
             self._metrics.error(exc.status)
-            return _error(exc)
+            return error_response(exc)
 
     async def _respond(
         self,
@@ -168,12 +175,15 @@ class IngressServer:
         chat: bool,
         headers: Mapping[str, str],
         arrived_ns: int,
+        deadline: float,
     ) -> Response:
         """The response, inside the request's span (which a stream ends when it ends)."""
         request_id = new_request_id(chat)
         trace = request_trace(headers, request_id, len(ids), bool(body.stream), arrived_ns)
         try:
-            return await self._respond_traced(body, ids, max_tokens, chat, request_id, trace)
+            return await self._respond_traced(
+                body, ids, max_tokens, chat, request_id, trace, deadline
+            )
         except BaseException as exc:
             trace.end(error=exc)
             raise
@@ -186,9 +196,15 @@ class IngressServer:
         chat: bool,
         request_id: str,
         trace: NoRequestTrace,
+        deadline: float,
     ) -> Response:
+        """``deadline``: the event loop's time the request must end by (retries, streams)."""
         sampling = body.engine_sampling(
-            len(ids), max_tokens, self._max_model_len, self._encoder.eos_token_id
+            len(ids),
+            max_tokens,
+            self._max_model_len,
+            self._encoder.eos_token_id,
+            self._limits.max_tokens,
         )
         key = self._hasher.hash_tokens(ids)
         generate = GenerateRequest(
@@ -212,13 +228,18 @@ class IngressServer:
         # A stream is retried only until its first token: after that the client has output.
         finish = _started if body.stream else self._collect
         try:
-            done = await run_with_retry(
-                start,
-                finish,
-                retries=self.config.ingress.retries,
-                replica_of=lambda g: g.routed_to,
-                on_retry=retried,
-            )
+            # Past the deadline the attempt is cancelled, which closes its generation (the
+            # replica aborts the request).
+            async with asyncio.timeout_at(deadline):
+                done = await run_with_retry(
+                    start,
+                    finish,
+                    retries=self.config.ingress.retries,
+                    replica_of=lambda g: g.routed_to,
+                    on_retry=retried,
+                )
+        except TimeoutError:
+            raise timed_out(self._limits.timeout_s) from None
         except AttemptFailed as failed:
             raise _failure(request_id, failed) from None
         generation = done.generation
@@ -233,7 +254,7 @@ class IngressServer:
         }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(generation, request_id, chat, include_usage, trace)
+            stream = self._stream(generation, request_id, chat, include_usage, trace, deadline)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         text, finish_reason = done.result or ("", "stop")
         self._metrics.finished(generation)
@@ -265,16 +286,13 @@ class IngressServer:
         )
 
     async def _collect(self, generation: Generation) -> tuple[str, str]:
-        """The whole output; a replica failure is raised as it is (the retry judges it)."""
+        """The whole output; a replica failure is raised as it is (the retry judges it). The
+        request's deadline bounds it (``_respond_traced``)."""
         parts: list[str] = []
         finish = "stop"
-        try:
-            async with asyncio.timeout(self.config.ingress.request_timeout_s):
-                async for delta in generation.deltas():
-                    parts.append(delta.text)
-                    finish = delta.finish_reason or finish
-        except TimeoutError:
-            raise APIError(504, "the request timed out", error_type="server_error") from None
+        async for delta in generation.deltas():
+            parts.append(delta.text)
+            finish = delta.finish_reason or finish
         return "".join(parts), finish
 
     async def _stream(
@@ -284,6 +302,7 @@ class IngressServer:
         chat: bool,
         include_usage: bool,
         trace: NoRequestTrace,
+        deadline: float,
     ) -> AsyncIterator[bytes]:
         def failed(exc: BaseException) -> APIError:  # the replica died mid-stream
             logger.warning("stream %s failed mid-stream: %s", request_id, brief(exc))
@@ -292,16 +311,24 @@ class IngressServer:
             trace.end(generation, error)
             return error
 
+        def expired() -> APIError:
+            logger.warning("stream %s ran past the request timeout", request_id)
+            self._metrics.stream_errors.inc()
+            error = timed_out(self._limits.timeout_s)
+            trace.end(generation, error)
+            return error
+
+        events = sse_events(
+            generation,
+            request_id,
+            self.config.model,
+            chat,
+            include_usage,
+            failed,
+            lambda: self._metrics.finished(generation),
+        )
         try:
-            async for event in sse_events(
-                generation,
-                request_id,
-                self.config.model,
-                chat,
-                include_usage,
-                failed,
-                lambda: self._metrics.finished(generation),
-            ):
+            async for event in until_deadline(events, deadline, expired):
                 yield event
         finally:
             trace.end(generation)  # a client gone mid-stream ends it here (idempotent)
