@@ -12,7 +12,9 @@ native protocol (``replica/engine_server.py``), through which Ray Serve replicas
 
 The engine is the replica's own (``replica/engines/``: sim or vLLM, built by the replica
 deployment's ``make_engine``); the OpenAI request models, rendering, detokenization and stop
-strings are the shared ones (``prefixmesh/wire/``).
+strings are the shared ones (``prefixmesh/wire/``), and so are the limits checked before work
+(``wire/limits.py``: body size, prompt size, ``max_tokens``, the request's total time) and the
+OpenAI JSON of every error (``wire/api_errors.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.replica.engine_server import EngineHost, engine_routes
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
 from prefixmesh.wire import GenerateChunk
+from prefixmesh.wire.api_errors import error_response, install_error_handlers
 from prefixmesh.wire.generation import Generation
+from prefixmesh.wire.limits import RequestLimits, read_json, timed_out, until_deadline
 from prefixmesh.wire.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -127,6 +131,7 @@ class ReplicaService:
         self.model_dir = model_dir
         self.fingerprint = make_hasher(config).fingerprint.to_json()
         self.max_model_len = config.replica.vllm.max_model_len
+        self.limits = RequestLimits.from_config(config, tokenizer.hf)
         self.started = time.time()
 
     @property
@@ -135,7 +140,8 @@ class ReplicaService:
 
     # ---- generation --------------------------------------------------------------------------
 
-    async def respond(self, body: Any, chat: bool) -> Response:
+    async def respond(self, body: Any, chat: bool, deadline: float) -> Response:
+        """``deadline``: the event loop's time the request must end by."""
         if body.model != self.config.model:
             raise APIError(
                 404,
@@ -143,6 +149,7 @@ class ReplicaService:
                 param="model",
                 code="model_not_found",
             )
+        self.limits.admit(body)  # before tokenizing
         if chat:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             ids = await self.tokenizer.encode_messages(messages)
@@ -152,7 +159,11 @@ class ReplicaService:
             ids = list(prompt) if isinstance(prompt, list) else await self.tokenizer.encode(prompt)
             max_tokens = body.max_tokens
         sampling = body.engine_sampling(
-            len(ids), max_tokens, self.max_model_len, self.tokenizer.hf.eos_token_id
+            len(ids),
+            max_tokens,
+            self.max_model_len,
+            self.tokenizer.hf.eos_token_id,
+            self.limits.max_tokens,
         )
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request = EngineRequest(request_id, tuple(ids), sampling)
@@ -161,7 +172,10 @@ class ReplicaService:
             stream, self.tokenizer.decode, len(ids), body.stop_strings(), _nothing, _nothing
         )
         try:
-            await generation.first()
+            async with asyncio.timeout_at(deadline):
+                await generation.first()
+        except TimeoutError:
+            raise timed_out(self.limits.timeout_s) from None
         except Exception as exc:
             logger.exception("request %s failed before its first token", request_id)
             raise APIError(503, f"the engine failed: {exc}", error_type="server_error") from None
@@ -171,10 +185,19 @@ class ReplicaService:
             events = sse_events(
                 generation, request_id, self.config.model, chat, include_usage, _engine_failed
             )
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        text, finish = await collect(generation)
+            bounded = until_deadline(events, deadline, self._expired)
+            return StreamingResponse(bounded, media_type="text/event-stream", headers=headers)
+        try:
+            async with asyncio.timeout_at(deadline):
+                text, finish = await collect(generation)
+        except TimeoutError:
+            raise timed_out(self.limits.timeout_s) from None
         body_json = full_body(request_id, self.config.model, chat, text, finish, generation)
         return JSONResponse(body_json, headers=headers)
+
+    def _expired(self) -> APIError:
+        logger.warning("a stream ran past the request timeout")
+        return timed_out(self.limits.timeout_s)
 
     # ---- what the remote engine and the peers ask for -----------------------------------------
 
@@ -263,13 +286,20 @@ def build_app(service: ReplicaService) -> FastAPI:
             await host.live_engine.shutdown()
 
     app = FastAPI(title="prefixmesh replica", docs_url=None, redoc_url=None, lifespan=lifespan)
+    install_error_handlers(app)
     app.include_router(engine_routes(host, service.engine_info))
 
     async def openai(request: Request, model: type[Any], chat: bool) -> Response:
+        deadline = service.limits.deadline()
         try:
-            return await service.respond(parse_body(await request.body(), model), chat)
+            body = parse_body(await service.limits.read_body(request), model)
+            return await service.respond(body, chat, deadline)
         except APIError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
+            return error_response(exc)
+
+    async def json_body(request: Request) -> Any:
+        """A peer's JSON body, within the body limit (the tokenizing endpoints)."""
+        return await read_json(request, service.limits.max_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -306,18 +336,18 @@ def build_app(service: ReplicaService) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        ids = await service.tokens_of(await request.json())
+        ids = await service.tokens_of(await json_body(request))
         count, limit = len(ids), service.max_model_len
         return {"count": count, "max_model_len": limit, "tokens": ids, "token_strs": None}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, str]:
-        body = await request.json()
+        body = await json_body(request)
         return {"prompt": service.tokenizer.decode(body.get("tokens", []))}
 
     @app.post("/v1/completions/render")
     async def completions_render(request: Request) -> list[dict[str, Any]]:
-        body = await request.json()
+        body = await json_body(request)
         prompt = body.get("prompt", "")
         several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
         return [
@@ -327,7 +357,7 @@ def build_app(service: ReplicaService) -> FastAPI:
 
     @app.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> dict[str, Any]:
-        body = await request.json()
+        body = await json_body(request)
         return service.render(body, await service.tokens_of(body), "chatcmpl")
 
     return app

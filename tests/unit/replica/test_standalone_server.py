@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,10 +16,13 @@ from prefixmesh.loadtest.compare_report import parse_counters, replica_ttft_p50
 from prefixmesh.loadtest.keys import Segment
 from prefixmesh.loadtest.prompts import PromptRenderer
 from prefixmesh.loadtest.report import prefix_cache_counters
+from prefixmesh.replica import standalone_server
 from prefixmesh.replica.engine_server import TTFT_BUCKETS_S
 from prefixmesh.replica.standalone_server import ReplicaService, build_app, make_service
 from prefixmesh.wire.word_vocabulary import Vocabulary
+from tests.fakes.serve_ingress import spy
 from tests.unit.replica.conftest import sim_config
+from tests.unit.test_wire_api_errors import openai_error
 
 MODEL = "demo-tiny"
 
@@ -165,7 +169,38 @@ def test_errors_are_openai_json(client: TestClient) -> None:
     bad = client.post("/v1/completions", content=b"{not json")
     assert bad.status_code == 400
     long = client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 5000})
-    assert long.status_code == 413 and long.json()["error"]["code"] == "context_length_exceeded"
+    error = openai_error(long, 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+    assert openai_error(client.get("/v1/nope"), 404)["message"] == "Invalid URL (GET /v1/nope)"
+    assert openai_error(client.get("/v1/completions"), 405)["code"] == "method_not_allowed"
+    assert openai_error(client.post("/v1/completions", json={"model": MODEL}), 422)["param"] == (
+        "prompt"
+    )
+
+
+def test_limits_come_before_work(
+    client: TestClient, service: ReplicaService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed = spy(monkeypatch, standalone_server, "parse_body")
+    tokenized = spy(monkeypatch, service.tokenizer, "encode")
+    tokenized_chat = spy(monkeypatch, service.tokenizer, "encode_messages")
+    ten_mb = json.dumps({"model": MODEL, "prompt": "x" * 10_000_000}).encode()
+    for path in ("/v1/completions", "/tokenize", "/v1/completions/render"):
+        assert openai_error(client.post(path, content=ten_mb), 413)["code"] == "request_too_large"
+    assert parsed == []
+    # The demo tokenizer's longest token has 77 characters: 320,000 cannot fit 4,096 tokens.
+    assert service.limits.max_chars_per_token == 77
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 320_000}]}
+    error = openai_error(client.post("/v1/chat/completions", json=chat), 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    monkeypatch.setattr(service, "limits", replace(service.limits, max_tokens=8))
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 9}
+    assert openai_error(client.post("/v1/completions", json=body), 400)["param"] == "max_tokens"
+    assert len(parsed) == 2 and tokenized == tokenized_chat == []
+    # A request out of time before its first token (the sim engine computes the prefill).
+    monkeypatch.setattr(service, "limits", replace(service.limits, timeout_s=0.0))
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    assert openai_error(client.post("/v1/completions", json=body), 504)["code"] == "timeout"
 
 
 def test_the_native_engine_protocol(client: TestClient, service: ReplicaService) -> None:
