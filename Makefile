@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip --quiet --disable-pip-version-check
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: install install-dev run test lint bench clean
+.PHONY: install install-dev run test lint bench deploy-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,13 @@ test: install-dev lint
 bench: install-dev
 	$(BIN)/prefixmesh registry-bench --backend memory --json bench-registry-memory.json
 	$(BIN)/prefixmesh registry-bench --backend redis --json bench-registry-redis.json
+
+# `ray up` of manifests/cluster/cluster-local.yaml for real on this machine, as root (minutes;
+# not part of `make test`): an sshd and an account of its own, a fresh venv on the node through
+# the YAML's setup commands, one completion with the openai client, `ray down`, nothing of it
+# left (deploy/deploy_check.py; needs openssh-server and rsync).
+deploy-check: install
+	$(BIN)/python -m deploy.deploy_check $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache
