@@ -165,13 +165,8 @@ class RequestLimits:
             timeout_s=config.ingress.request_timeout_s,
         )
 
-    def check_declared_length(self, headers: Mapping[str, str]) -> None:
-        """413 for a body whose Content-Length is over the limit (nothing read)."""
-        declared = declared_length(headers)
-        if declared is not None and declared > self.max_body_bytes:
-            raise body_too_large(self.max_body_bytes, declared)
-
     async def read_body(self, request: BodySource) -> bytes:
+        """The request's body within ``max_body_bytes`` (``read_body``)."""
         return await read_body(request, self.max_body_bytes)
 
     def least_prompt_tokens(self, body: Prompted) -> int | None:
