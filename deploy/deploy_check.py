@@ -546,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         teardown(run, started_wall - 1.0)
     ok = passed(run.results, (*UP_STEPS, *DOWN_STEPS))
     print(report(run.results))
-    print(timings(run.results))
+    if run.ray_up_tried:
+        print(timings(run.results))
     print(f"whole check: {time.monotonic() - started:.0f} s")
     shutil.rmtree(run.run_dir / "keys", ignore_errors=True)
     shutil.rmtree(run.run_dir / "secrets", ignore_errors=True)
