@@ -117,7 +117,8 @@ def test_errors_are_openai_json_with_the_ingress_statuses(
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
         ({"model": "nope", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
-        ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 413, "max_tokens"),
+        # prompt + max_tokens past the context length: OpenAI's 400 (issue 17)
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400, "prompt"),
         ({"model": MODEL, "prompt": "x" * (MAX_BODY_BYTES + 10)}, 413, None),
     ]
     for body, status, param in cases:
@@ -126,6 +127,8 @@ def test_errors_are_openai_json_with_the_ingress_statuses(
         error = response.json()["error"]
         assert error["message"] and error["type"]
         assert error["param"] == param
+        if status == 400 and param == "prompt":
+            assert error["code"] == "context_length_exceeded", error
     chat = post(cluster, {"model": MODEL, "messages": []}, "/v1/chat/completions")
     assert chat.status_code == 422 and chat.json()["error"]["param"] == "messages"
 
