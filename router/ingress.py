@@ -31,6 +31,7 @@ from prefixmesh.cache_registry.factory import (
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.router.local_state import local_state
+from prefixmesh.router.registry_watch import RegistryWatch
 from prefixmesh.router.retry import AttemptFailed, retry_request, run_with_retry
 from prefixmesh.router.spans import NoRequestTrace, request_trace
 from prefixmesh.wire import GenerateRequest
@@ -95,7 +96,7 @@ class IngressServer:
         self._encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
         self._hasher = make_hasher(config)
         self._local = local_state(config.app_name, lambda: make_memory_state(config))
-        self._registry_probe = make_registry_probe(config)
+        self._registry_watch = RegistryWatch(make_registry_probe(config), self._local.metrics)
         self._metrics = RequestMetrics()
         self._max_model_len = config.replica.vllm.max_model_len
         self._limits = RequestLimits.from_config(config, self._encoder.hf)
@@ -105,21 +106,13 @@ class IngressServer:
 
     @api.get("/health")
     async def health(self) -> dict[str, str]:
-        """``{"status": "ok"}``, or ``degraded`` with the reason when the configured registry
-        is unreachable, refuses the password or TLS, or holds another cluster's fingerprint
-        (200 either way: routing goes on by load). One probe within the registry's op
-        timeout, reused for a second; the reason also goes to ``prefixmesh_registry_degraded``."""
-        verdict = await self._registry_probe.check()
-        self._local.metrics.registry_checked(verdict.reason)
-        return verdict.body()
+        """``{"status": "ok"}`` or ``degraded`` with the registry's problem (``RegistryWatch``)."""
+        return await self._registry_watch.health()
 
     async def check_health(self) -> None:
-        """Serve's periodic check (``ingress.health_check_period_s``) keeps the registry gauge
-        current; a degraded registry never fails it (this process routes without it)."""
-        try:
-            await self.health()
-        except Exception:  # the probe never raises; a bug here must not restart the router
-            logger.exception("registry health check failed")
+        """Serve's periodic check (``ingress.health_check_period_s``): refreshes the registry's
+        health and never fails for it."""
+        await self._registry_watch.refresh()
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from prefixmesh.cache_registry.factory import (
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.router.local_state import local_state
+from prefixmesh.router.registry_watch import RegistryWatch
 from prefixmesh.router.spans import NO_ROUTER_TRACE, NoRouterTrace, router_trace
 from prefixmesh.wire import GenerateRequest, LoadBalanced
 from prefixmesh.wire.api_errors import install_error_handlers
@@ -81,7 +82,7 @@ class RouterServer:
         self._encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
         self._hasher = make_hasher(config)
         self._local = local_state(config.app_name, lambda: make_memory_state(config))
-        self._registry_probe = make_registry_probe(config)
+        self._registry_watch = RegistryWatch(make_registry_probe(config), self._local.metrics)
         self._max_model_len = config.replica.vllm.max_model_len
         self._limits = RequestLimits.from_config(config, self._encoder.hf)
         serving = config.serving
@@ -171,21 +172,13 @@ class RouterServer:
 
     @api.get("/health")
     async def health(self) -> dict[str, str]:
-        """``{"status": "ok"}``, or ``degraded`` with the reason when the configured registry
-        is unreachable, refuses the password or TLS, or holds another cluster's fingerprint
-        (200 either way: routing goes on by load). One probe within the registry's op
-        timeout, reused for a second; the reason also goes to ``prefixmesh_registry_degraded``."""
-        verdict = await self._registry_probe.check()
-        self._local.metrics.registry_checked(verdict.reason)
-        return verdict.body()
+        """``{"status": "ok"}`` or ``degraded`` with the registry's problem (``RegistryWatch``)."""
+        return await self._registry_watch.health()
 
     async def check_health(self) -> None:
-        """Serve's periodic check (``ingress.health_check_period_s``) keeps the registry gauge
-        current; a degraded registry never fails it (this process routes without it)."""
-        try:
-            await self.health()
-        except Exception:  # the probe never raises; a bug here must not restart the router
-            logger.exception("registry health check failed")
+        """Serve's periodic check (``ingress.health_check_period_s``): refreshes the registry's
+        health and never fails for it."""
+        await self._registry_watch.refresh()
 
     async def router_metrics(self) -> str:
         """The router's Prometheus exposition (decisions, lookups, holds, load it saw)."""

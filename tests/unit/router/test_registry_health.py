@@ -20,6 +20,7 @@ from prefixmesh.cache_registry.registry_health import (
 from prefixmesh.config import REDIS_URL_ENV, load_config
 from prefixmesh.router.ingress import IngressServer
 from prefixmesh.router.metrics import RouterMetrics
+from prefixmesh.router.registry_watch import RegistryWatch
 from prefixmesh.router.route_server import RouterServer
 from tests.unit.router.test_metrics import samples
 
@@ -47,8 +48,14 @@ def degraded(metrics: RouterMetrics) -> dict[str, float]:
     }
 
 
-def server(cls: Any, probe: _Probe) -> Any:
-    fake = SimpleNamespace(_registry_probe=probe, _local=SimpleNamespace(metrics=RouterMetrics()))
+def server(cls: Any, probe: Any) -> Any:
+    """A router or ingress holding only what its health endpoints use."""
+    metrics = RouterMetrics()
+    fake = SimpleNamespace(
+        _registry_watch=RegistryWatch(probe, metrics),
+        _registry_probe=probe,
+        _local=SimpleNamespace(metrics=metrics),
+    )
     fake.health = lambda: cls.health(fake)
     return fake
 
@@ -85,7 +92,7 @@ async def test_an_unreachable_configured_registry_is_degraded() -> None:
     config = load_config(overrides=["registry.backend=redis"], environ=environ)
     probe = make_registry_probe(config)
     assert isinstance(probe, RedisProbe)
-    fake = SimpleNamespace(_registry_probe=probe, _local=SimpleNamespace(metrics=RouterMetrics()))
+    fake = server(RouterServer, probe)
     body = await RouterServer.health(fake)
     assert body["status"] == "degraded" and body["code"] == "unreachable"
     assert environ[REDIS_URL_ENV] in body["reason"]
