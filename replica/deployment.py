@@ -17,6 +17,8 @@ from typing import Any
 
 from prefixmesh import tracing
 from prefixmesh.cache_registry.factory import make_hasher, make_registry
+from prefixmesh.cache_registry.redis_registry import RedisRegistry
+from prefixmesh.cache_registry.registry_health import HEALTHY, RegistryHealth
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.metrics.ray_sink import serve_replica_sink
@@ -303,6 +305,14 @@ class ReplicaServer:
         """Spans finished in this replica's process (``telemetry.tracing=memory``; else []),
         for tests and debugging through the deployment handle."""
         return tracing.finished_spans(clear)
+
+    def registry_health(self) -> RegistryHealth:
+        """What this replica's own registry client saw last (it publishes every few ms and
+        heartbeats every second, so an unreachable Redis, a refused password or another
+        cluster's fingerprint shows within a second); the in-process registry is healthy."""
+        if isinstance(self._registry, RedisRegistry):
+            return self._registry.health
+        return HEALTHY
 
     async def check_health(self) -> None:
         """Serve replaces a replica whose check raises: a dead engine fails every request."""

@@ -103,7 +103,9 @@ class ReplicaHTTPServer(ReplicaServer):
 
     @api.get("/health")
     async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+        """What ``GET /health`` through HAProxy gets (any replica answers): ``ok``, or
+        ``degraded`` with the registry's problem (200 either way: serving goes on)."""
+        return self.registry_health().body()
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:

@@ -127,3 +127,19 @@ async def test_shutdown_drops_the_replica_from_a_shared_registry() -> None:
     assert await registry.lookup(KEY, [R], deadline_s=1.0) == {}
     assert await registry.known_replicas() == set()
     assert registry.state.dropped.keys() == {R} and engine.shut_down
+
+
+async def test_health_through_the_front_door_says_why_the_registry_is_degraded() -> None:
+    """On the direct path ``GET /health`` reaches a replica: it reports what its own registry
+    client saw (here another cluster's fingerprint), not a blind "ok"."""
+    from prefixmesh.cache_registry.redis_registry import RedisRegistry
+    from prefixmesh.replica.openai_server import ReplicaHTTPServer
+
+    replica = SimpleNamespace(_registry=None)  # what the endpoint uses of a replica
+    replica.registry_health = lambda: ReplicaServer.registry_health(replica)  # type: ignore[arg-type]
+    assert await ReplicaHTTPServer.health(replica) == {"status": "ok"}  # in-process registry
+    registry = RedisRegistry(HASHER.fingerprint, "redis://127.0.0.1:9/0")
+    registry._disabled_reason = "the registry holds another cluster's blocks"
+    replica._registry = registry
+    body = await ReplicaHTTPServer.health(replica)
+    assert body["status"] == "degraded" and body["code"] == "fingerprint"
