@@ -156,7 +156,9 @@ def _start_node(name: str, args: list[str], env: dict[str, str], logs: Path) -> 
     return Node(name, process, port)
 
 
-def _wait_for_nodes(dashboard_url: str, auth: dict[str, str], count: int, timeout_s: float) -> None:
+def _wait_for_nodes(
+    dashboard_url: str, auth: dict[str, str], count: int, timeout_s: float, logs: Path
+) -> None:
     deadline = time.monotonic() + timeout_s
     alive = 0
     while time.monotonic() < deadline:
@@ -171,7 +173,8 @@ def _wait_for_nodes(dashboard_url: str, auth: dict[str, str], count: int, timeou
         except (httpx.HTTPError, KeyError, ValueError):
             pass
         time.sleep(1)
-    raise AssertionError(f"{alive} of {count} Ray nodes alive after {timeout_s} s")
+    tails = "\n".join(f"--- {log.name}:\n{log.read_text()[-1500:]}" for log in logs.glob("*.log"))
+    raise AssertionError(f"{alive} of {count} Ray nodes alive after {timeout_s} s\n{tails}")
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +195,9 @@ def two_nodes() -> Iterator[TwoNodes]:
     env |= haproxy_environment(serving, run_dir)
     env |= {
         "RAY_USAGE_STATS_ENABLED": "0",
+        # Ray on loopback only (DESIGN.md §7): without it a node may register on another
+        # address than --node-ip-address, and the workers cannot join the head.
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "PREFIXMESH_REDIS_URL": redis.url,
         "PREFIXMESH_REDIS_PASSWORD": password,
         # Token authentication, as a cluster people reach should run (Ray turns it on by
@@ -207,11 +213,11 @@ def two_nodes() -> Iterator[TwoNodes]:
     ], env, logs)  # fmt: skip
     workers: list[Node] = []
     try:
-        _wait_for_nodes(dashboard_url, auth, 1, START_WITHIN_S)
+        _wait_for_nodes(dashboard_url, auth, 1, START_WITHIN_S, logs)
         worker_args = [f"--address=127.0.0.1:{gcs_port}", "--num-cpus=1",
                        f"--resources={json.dumps({WORKER_RESOURCE: 2})}"]  # fmt: skip
         workers += [_start_node(f"worker-{i}", worker_args, env, logs) for i in range(2)]
-        _wait_for_nodes(dashboard_url, auth, 3, START_WITHIN_S)
+        _wait_for_nodes(dashboard_url, auth, 3, START_WITHIN_S, logs)
         deploy = [sys.executable, "-m", "prefixmesh.cli", "serve", "--detach",
                   f"--address=127.0.0.1:{gcs_port}", "--set", f"ingress.port={http_port}",
                   "--set", f"cache_dir={Path('~/.cache/prefixmesh').expanduser()}"]  # fmt: skip
