@@ -173,7 +173,7 @@ class ReplicaServer:
         self.publisher = EventPublisher(
             self.replica_id,
             target,
-            lambda: self.engine.held_blocks(),
+            lambda: self.engine.residency(),
             interval_s=self.config.replica.publish_interval_ms / 1000,
             heartbeat_s=registry.heartbeat_interval_s,
             liveness=self._registry,

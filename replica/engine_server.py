@@ -21,15 +21,21 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.metrics.runtime import RuntimeMetrics
 from prefixmesh.metrics.sink import PrometheusSink
-from prefixmesh.replica.engines.base import BlockChange, Engine, EngineChunk, EngineRequest
+from prefixmesh.replica.engines.base import (
+    BlockChange,
+    Engine,
+    EngineChunk,
+    EngineRequest,
+    Residency,
+)
 from prefixmesh.replica.engines.remote_engine import (
     decode_request,
     encode_changes,
     encode_chunk,
     encode_load,
+    encode_residency,
 )
 from prefixmesh.replica.runtime_watch import RuntimeWatch
 
@@ -41,7 +47,7 @@ MAX_QUEUED_BATCHES = 100_000
 
 @dataclass(eq=False)
 class _Subscriber:
-    snapshot: tuple[BlockHash, ...]
+    snapshot: Residency
     pending: deque[Sequence[BlockChange]] = field(default_factory=deque)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     broken: bool = False
@@ -122,10 +128,11 @@ class EngineHost:
     async def events(self) -> AsyncIterator[bytes]:
         """NDJSON: a snapshot first, then batches of changes, with the load every so often."""
         engine = self.live_engine
-        sub = _Subscriber(engine.held_blocks())
+        sub = _Subscriber(engine.residency())
         self._subscribers.add(sub)
         try:
-            yield _line({"snapshot": list(sub.snapshot), "load": encode_load(engine.load())})
+            snapshot = encode_residency(sub.snapshot)
+            yield _line({"snapshot": snapshot, "load": encode_load(engine.load())})
             while not sub.broken:
                 if not sub.pending:
                     sub.wake.clear()
@@ -237,7 +244,7 @@ class EngineHost:
             ("prefixmesh_replica_ttft_seconds_sum", "counter", ours, c.ttft_sum_s),
             ("prefixmesh_replica_ttft_seconds_count", "counter", ours, c.ttft_count),
             ("prefixmesh_replica_in_flight", "gauge", ours, c.running),
-            ("prefixmesh_replica_cached_blocks", "gauge", ours, len(engine.held_blocks())),
+            ("prefixmesh_replica_cached_blocks", "gauge", ours, len(engine.residency().blocks())),
         ]
         busy = getattr(engine, "busy_s", None)
         if callable(busy):  # the sim engine knows how long its steps ran

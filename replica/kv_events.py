@@ -3,8 +3,9 @@
 vLLM hashes blocks its own way (and may salt them); its ``BlockStored`` events carry the
 stored blocks' token ids and the parent block's vLLM hash. We re-hash the token ids with our
 ``BlockHasher``, continuing the chain from the parent's key, and keep a vLLM-hash -> our-hash
-map for the blocks the engine holds, so ``BlockRemoved`` can be translated too. The map is also
-the replica's exact view of what its engine holds (the resync snapshot).
+map for the blocks the engine holds, so ``BlockRemoved`` can be translated too. The map, with
+the CPU and disk blocks our KV connector reported, is the replica's exact view of what its
+engine holds in every tier (the resync snapshot).
 
 ``VllmEventStream`` follows vLLM's numbered ZMQ batches. A lost batch may hide removals (the
 registry would keep blocks the engine dropped) and stores (children of an unknown parent can
@@ -20,7 +21,7 @@ from typing import Any
 
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
-from prefixmesh.replica.engines.base import BlockChange
+from prefixmesh.replica.engines.base import BlockChange, HeldMirror, Residency
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class VllmEventTranslator:
     def __init__(self, hasher: BlockHasher) -> None:
         self._hasher = hasher
         self._ours: dict[Any, BlockHash] = {}
+        self._lower = HeldMirror()
+        """The CPU and disk blocks our KV connector reported (its own events)."""
         self.untranslatable = 0
         """Stored blocks skipped because their parent was unknown (an event was lost)."""
 
@@ -41,12 +44,20 @@ class VllmEventTranslator:
         """The map has seen every event since the engine started or last cleared its cache;
         False after ``reset``: blocks the engine still holds are unknown here."""
 
-    def held_blocks(self) -> tuple[BlockHash, ...]:
-        return tuple(self._ours.values())
+    def residency(self) -> Residency:
+        lower = self._lower
+        return Residency.of(
+            {
+                Tier.GPU: self._ours.values(),
+                Tier.CPU: lower.blocks(Tier.CPU),
+                Tier.DISK: lower.blocks(Tier.DISK),
+            }
+        )
 
     def reset(self) -> None:
         """Forget every block (events were lost): what we map may be gone, what we lack held."""
         self._ours.clear()
+        self._lower.clear()
         self.complete = False
 
     def translate(self, events: Iterable[Any]) -> list[BlockChange]:
@@ -58,9 +69,11 @@ class VllmEventTranslator:
             elif kind == "BlockRemoved":
                 change = self._removed(event)
             elif kind == "AllBlocksCleared":
+                # vLLM clears its own cache (reset_prefix_cache); our connector's tiers keep
+                # theirs, so the registry must keep them too.
                 self._ours.clear()
-                self.complete = True  # the engine holds nothing: we know all of it again
-                change = BlockChange(EventKind.CLEARED, tier=None)
+                self.complete = True  # the engine tier holds nothing: we know all of it again
+                change = BlockChange(EventKind.CLEARED, tier=Tier.GPU)
             else:
                 logger.debug("ignoring KV event %s", kind)
                 continue
@@ -70,7 +83,7 @@ class VllmEventTranslator:
 
     def _stored(self, event: Any) -> BlockChange | None:
         if getattr(event, "ownership", None) == OWN_EVENTS:
-            return _own_change(EventKind.STORED, event)
+            return self._own(EventKind.STORED, event)
         if event.block_size != self._hasher.block_size:
             raise ValueError(
                 f"engine block size {event.block_size} != cache.block_size "
@@ -96,7 +109,7 @@ class VllmEventTranslator:
 
     def _removed(self, event: Any) -> BlockChange | None:
         if getattr(event, "ownership", None) == OWN_EVENTS:
-            return _own_change(EventKind.REMOVED, event)
+            return self._own(EventKind.REMOVED, event)
         ours = tuple(
             mine
             for theirs in event.block_hashes
@@ -106,13 +119,15 @@ class VllmEventTranslator:
             return None
         return BlockChange(EventKind.REMOVED, _MEDIUM_TIERS.get(event.medium, Tier.GPU), ours)
 
-
-def _own_change(kind: EventKind, event: Any) -> BlockChange | None:
-    """An event of our KV connector: its hashes are ours already, its medium a lower tier."""
-    tier = _MEDIUM_TIERS.get(event.medium)
-    if tier is None or tier is Tier.GPU or not event.block_hashes:
-        return None
-    return BlockChange(kind, tier, tuple(BlockHash(int(h)) for h in event.block_hashes))
+    def _own(self, kind: EventKind, event: Any) -> BlockChange | None:
+        """An event of our KV connector: its hashes are ours already, its medium a lower
+        tier."""
+        tier = _MEDIUM_TIERS.get(event.medium)
+        if tier is None or tier is Tier.GPU or not event.block_hashes:
+            return None
+        change = BlockChange(kind, tier, tuple(BlockHash(int(h)) for h in event.block_hashes))
+        self._lower.apply([change])
+        return change
 
 
 class VllmEventStream:

@@ -2,9 +2,10 @@
 
 Changes arrive synchronously from the engine (``submit``); a background task sends what has
 accumulated every ``interval_s``. If the registry reports a gap, or a batch could not be
-delivered, the publisher starts a new epoch whose first event is a snapshot of everything the
-engine holds: the registry purges the replica's old entries on the new epoch and rebuilds them
-from the snapshot, so a lost batch heals itself instead of leaving the registry wrong.
+delivered, the publisher starts a new epoch whose first events are a snapshot of everything the
+engine holds, in every tier (its own cache, and the CPU and disk tiers of our KV connector): the
+registry purges the replica's old entries on the new epoch and rebuilds them from the snapshot,
+so a lost batch heals itself instead of leaving the registry wrong.
 
 An idle replica heartbeats: it asks the registry whether it still holds the replica's last
 event, and resyncs on a "no" (the registry restarted, was flushed, or reaped it). With a shared
@@ -30,7 +31,7 @@ from prefixmesh.cache_registry.types import (
     ReplicaId,
     Tier,
 )
-from prefixmesh.replica.engines.base import BlockChange
+from prefixmesh.replica.engines.base import BlockChange, Residency
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class EventPublisher:
         self,
         replica_id: ReplicaId,
         target: EventTarget,
-        held_blocks: Callable[[], tuple[BlockHash, ...]],
+        residency: Callable[[], Residency],
         *,
         interval_s: float = 0.005,
         max_batch_events: int = 512,
@@ -83,7 +84,7 @@ class EventPublisher:
         only for a registry every replica shares)."""
         self.replica_id = replica_id
         self._target = target
-        self._held_blocks = held_blocks
+        self._residency = residency
         self._interval_s = interval_s
         self._max_batch = max_batch_events
         self._heartbeat_s = heartbeat_s
@@ -201,17 +202,22 @@ class EventPublisher:
             self._in_contact_since = now
 
     def _start_resync(self) -> None:
-        """A new epoch whose first event is the full snapshot of what the engine holds."""
+        """A new epoch whose first events are the full snapshot of what the engine holds: the
+        engine tier first (even when empty: it registers the replica), then each lower tier."""
         self.epoch = max(new_epoch(), self.epoch + 1)
         self._next_seq = 0
-        snapshot = self._event(EventKind.STORED, Tier.GPU, self._held_blocks())
-        self._pending = [snapshot]
+        residency = self._residency()
+        lower = [(tier, blocks) for tier, blocks in residency.tiers if tier is not Tier.GPU]
+        self._pending = [
+            self._event(EventKind.STORED, tier, blocks)
+            for tier, blocks in [(Tier.GPU, residency.blocks(Tier.GPU)), *lower]
+        ]
         self._resync_needed = False
         self.resyncs += 1
         logger.info(
-            "replica %s resyncs the registry (%d blocks)",
+            "replica %s resyncs the registry (%s)",
             self.replica_id,
-            len(snapshot.block_hashes),
+            ", ".join(f"{len(e.block_hashes)} {e.tier.name} blocks" for e in self._pending),
         )
 
     async def flush(self) -> None:

@@ -7,7 +7,7 @@ blocks are computed from the same tokens; the ingress also detokenizes what come
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -97,8 +97,9 @@ class Engine(Protocol):
 
     def load(self) -> EngineLoad: ...
 
-    def held_blocks(self) -> tuple[BlockHash, ...]:
-        """Every engine-tier block held now (for a resync snapshot)."""
+    def residency(self) -> Residency:
+        """Every block held now, in every tier (a resync snapshot; the engine tier's blocks are
+        ``residency().blocks()``)."""
         ...
 
     def take_token_intervals(self) -> tuple[float, ...]:
@@ -119,39 +120,76 @@ class Engine(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """Every block an engine holds, by tier: the content of a resync snapshot, so that a
+    registry rebuilt from it knows the CPU and disk tiers too, not only the engine's cache."""
+
+    tiers: tuple[tuple[Tier, tuple[BlockHash, ...]], ...] = ()
+    """(tier, its blocks), each tier at most once, in tier order."""
+
+    @classmethod
+    def of(cls, blocks_by_tier: Mapping[Tier, Iterable[BlockHash]]) -> Residency:
+        return cls(
+            tuple(
+                (tier, tuple(blocks_by_tier[tier]))
+                for tier in sorted(blocks_by_tier)
+                if blocks_by_tier[tier]
+            )
+        )
+
+    def blocks(self, tier: Tier = Tier.GPU) -> tuple[BlockHash, ...]:
+        for held_tier, blocks in self.tiers:
+            if held_tier is tier:
+                return blocks
+        return ()
+
+    def stored(self) -> list[BlockChange]:
+        """One ``stored`` change per tier: what tells a registry that starts empty the same."""
+        return [BlockChange(EventKind.STORED, tier, blocks) for tier, blocks in self.tiers]
+
+
 class HeldMirror:
-    """What an engine holds in its engine tier, rebuilt from its changes (the remote engine's
-    view of its server; a replica's view of its own engine, for holds)."""
+    """What an engine holds in each tier, rebuilt from its changes (the remote engine's view of
+    its server; a replica's view of its own engine, for holds; the vLLM engine's view of its KV
+    connector's tiers)."""
 
     def __init__(self) -> None:
-        self._blocks: dict[BlockHash, None] = {}  # insertion-ordered set
+        # insertion-ordered sets, one per tier
+        self._tiers: dict[Tier, dict[BlockHash, None]] = {tier: {} for tier in Tier}
 
-    def snapshot(self, blocks: Sequence[BlockHash]) -> list[BlockChange]:
+    def snapshot(self, residency: Residency) -> list[BlockChange]:
         """Replace everything; the changes that tell a registry the same."""
-        self._blocks = dict.fromkeys(blocks)
-        return [
-            BlockChange(EventKind.CLEARED, None),
-            BlockChange(EventKind.STORED, Tier.GPU, tuple(self._blocks)),
-        ]
+        self._tiers = {tier: dict.fromkeys(residency.blocks(tier)) for tier in Tier}
+        return [BlockChange(EventKind.CLEARED, None), *self.residency().stored()]
 
     def apply(self, changes: Sequence[BlockChange]) -> None:
         for change in changes:
             if change.kind is EventKind.CLEARED:
-                if change.tier in (None, Tier.GPU):
-                    self._blocks.clear()
-            elif change.tier is Tier.GPU:
+                for tier in Tier if change.tier is None else (change.tier,):
+                    self._tiers[tier].clear()
+            elif change.tier is not None:
+                held = self._tiers[change.tier]
                 if change.kind is EventKind.STORED:
-                    self._blocks.update(dict.fromkeys(change.block_hashes))
+                    held.update(dict.fromkeys(change.block_hashes))
                 else:
                     for block in change.block_hashes:
-                        self._blocks.pop(block, None)
+                        held.pop(block, None)
 
-    def blocks(self) -> tuple[BlockHash, ...]:
-        return tuple(self._blocks)
+    def blocks(self, tier: Tier = Tier.GPU) -> tuple[BlockHash, ...]:
+        return tuple(self._tiers[tier])
+
+    def residency(self) -> Residency:
+        return Residency.of(self._tiers)
+
+    def clear(self) -> None:
+        for held in self._tiers.values():
+            held.clear()
 
     def leading(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many of the chain's first blocks are held, up to the first one that is not."""
-        held = self._blocks
+        """How many of the chain's first blocks the engine tier holds, up to the first one it
+        does not."""
+        held = self._tiers[Tier.GPU]
         count = 0
         for block in block_hashes:
             if block not in held:

@@ -7,8 +7,8 @@ small native protocol, token ids in and token ids out, defined here:
 - ``POST /engine/generate``: one request (``encode_request``), answered as NDJSON, one
   ``encode_chunk`` object a line; closing the response aborts the request in the engine;
 - ``GET  /engine/events``: a long-lived NDJSON stream; the first line is a snapshot of every
-  block the engine holds, then each batch of cache changes as it happens, and the engine's
-  load every ``load_interval_s``;
+  block the engine holds, in every tier, then each batch of cache changes as it happens, and the
+  engine's load every ``load_interval_s``;
 - ``POST /engine/abort``, ``POST /reset_prefix_cache``.
 
 With it, Ray Serve's request routers (ours and Ray's own) sit in front of the same engines as
@@ -37,6 +37,7 @@ from prefixmesh.replica.engines.base import (
     EngineLoad,
     EngineRequest,
     HeldMirror,
+    Residency,
 )
 from prefixmesh.wire import SamplingSettings
 
@@ -122,6 +123,15 @@ def decode_changes(data: Sequence[Mapping[str, Any]]) -> list[BlockChange]:
         )
         for c in data
     ]
+
+
+def encode_residency(residency: Residency) -> list[list[Any]]:
+    """``[[tier, [block, ...]], ...]``: a snapshot names every tier's blocks."""
+    return [[int(tier), list(blocks)] for tier, blocks in residency.tiers]
+
+
+def decode_residency(data: Sequence[Sequence[Any]]) -> Residency:
+    return Residency.of({Tier(int(t)): [BlockHash(int(h)) for h in blocks] for t, blocks in data})
 
 
 def encode_load(load: EngineLoad) -> dict[str, Any]:
@@ -263,8 +273,7 @@ class RemoteEngine:
 
     def _on_event(self, message: Mapping[str, Any]) -> None:
         if "snapshot" in message:
-            blocks = [BlockHash(int(h)) for h in message["snapshot"]]
-            self._sink(self._mirror.snapshot(blocks))
+            self._sink(self._mirror.snapshot(decode_residency(message["snapshot"])))
         if "changes" in message:
             changes = decode_changes(message["changes"])
             self._mirror.apply(changes)
@@ -314,8 +323,8 @@ class RemoteEngine:
     def take_token_intervals(self) -> tuple[float, ...]:
         return ()  # the remote server's engine times its own tokens; they are not sent here
 
-    def held_blocks(self) -> tuple[BlockHash, ...]:
-        return self._mirror.blocks()
+    def residency(self) -> Residency:
+        return self._mirror.residency()
 
     async def reset_prefix_cache(self) -> bool:
         async with self._session.post("/reset_prefix_cache") as response:

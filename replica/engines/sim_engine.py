@@ -15,13 +15,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from prefixmesh.cache_registry.hashing import BlockHasher
-from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
+from prefixmesh.cache_registry.types import EventKind, Tier
 from prefixmesh.replica.engines.base import (
     BlockChange,
     CacheChangeSink,
     EngineChunk,
     EngineLoad,
     EngineRequest,
+    Residency,
     TokenIntervals,
 )
 from prefixmesh.replica.model.engine import CacheChanged, EngineModel, Finished, FirstToken
@@ -198,8 +199,8 @@ class SimEngine:
     def take_token_intervals(self) -> tuple[float, ...]:
         return self._intervals.take()
 
-    def held_blocks(self) -> tuple[BlockHash, ...]:
-        return tuple(self.model.cache.cached_blocks())
+    def residency(self) -> Residency:
+        return Residency.of({Tier.GPU: self.model.cache.cached_blocks()})
 
     async def reset_prefix_cache(self) -> bool:
         removed = self.model.cache.clear_evictable()

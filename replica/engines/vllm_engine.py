@@ -17,12 +17,12 @@ from typing import Any
 
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.redis_server import free_port
-from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.replica.engines.base import (
     CacheChangeSink,
     EngineChunk,
     EngineLoad,
     EngineRequest,
+    Residency,
     TokenIntervals,
 )
 from prefixmesh.replica.kv_events import VllmEventStream, VllmEventTranslator
@@ -271,8 +271,8 @@ class VllmEngine:
     def take_token_intervals(self) -> tuple[float, ...]:
         return self._stats.intervals.take()
 
-    def held_blocks(self) -> tuple[BlockHash, ...]:
-        return self._events.translator.held_blocks()
+    def residency(self) -> Residency:
+        return self._events.translator.residency()
 
     def healthy(self) -> bool:
         # AsyncLLM.errored: the engine core process died or its output loop stopped.

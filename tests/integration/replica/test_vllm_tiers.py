@@ -16,7 +16,7 @@ from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.cache_registry.types import EventKind, Tier
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.replica.demo_model import ensure_demo_model
-from prefixmesh.replica.engines.base import BlockChange, EngineRequest
+from prefixmesh.replica.engines.base import BlockChange, EngineRequest, HeldMirror
 from prefixmesh.wire import SamplingSettings
 
 pytest.importorskip("vllm")
@@ -119,6 +119,22 @@ def test_evicted_prompts_come_back_from_the_lower_tiers_exactly(workdir: Path) -
                 assert cached == full, i
                 assert tokens == reference[i], i
             external = engine.load().external_prefix_cache_hit_tokens
+            # The resync snapshot names every tier, exactly what the changes told the registry,
+            # and clearing the engine's own cache leaves the connector's tiers in it.
+            await asyncio.sleep(0.5)  # the last step's events
+            told = HeldMirror()
+            told.apply(changes)
+            residency = engine.residency()
+            for tier in Tier:
+                assert set(residency.blocks(tier)) == set(told.blocks(tier)), tier
+            assert residency.blocks(Tier.CPU) and residency.blocks(Tier.DISK)
+            assert await engine.reset_prefix_cache()
+            await asyncio.sleep(0.5)
+            assert (EventKind.CLEARED, Tier.GPU) in {(c.kind, c.tier) for c in changes}
+            assert (EventKind.CLEARED, None) not in {(c.kind, c.tier) for c in changes}
+            after = engine.residency()
+            assert after.blocks(Tier.CPU) == residency.blocks(Tier.CPU)
+            assert after.blocks(Tier.DISK) == residency.blocks(Tier.DISK)
         finally:
             await engine.shutdown()
         return reference, changes, external

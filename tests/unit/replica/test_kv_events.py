@@ -8,6 +8,7 @@ import pytest
 
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import EventKind, Tier
+from prefixmesh.replica.engines.base import Residency
 from prefixmesh.replica.kv_events import VllmEventStream, VllmEventTranslator
 
 HASHER = BlockHasher(4, "m")
@@ -42,7 +43,7 @@ def test_stored_blocks_get_the_router_keys_even_when_split_across_events() -> No
     [second] = translator.translate([BlockStored([b"v2", b"v3"], b"v1", TOKENS[8:16])])
     assert (first.kind, first.tier) == (EventKind.STORED, Tier.GPU)
     assert first.block_hashes + second.block_hashes == KEY
-    assert translator.held_blocks() == KEY
+    assert translator.residency().blocks() == KEY
 
 
 def test_removed_and_cleared() -> None:
@@ -52,8 +53,8 @@ def test_removed_and_cleared() -> None:
     assert removed.block_hashes == KEY[3:]
     assert translator.translate([BlockRemoved([b"unknown"])]) == []
     [cleared] = translator.translate([AllBlocksCleared()])
-    assert cleared.kind is EventKind.CLEARED and cleared.tier is None
-    assert translator.held_blocks() == ()
+    assert cleared.kind is EventKind.CLEARED and cleared.tier is Tier.GPU
+    assert translator.residency().blocks() == ()
 
 
 def test_an_unknown_parent_is_skipped_and_counted() -> None:
@@ -82,7 +83,7 @@ def test_a_stream_gap_clears_instead_of_guessing() -> None:
     # dropped) or stored v1's children (they could never be translated).
     changes = stream.batch(3, [BlockStored([b"v2"], b"v1-again", TOKENS[4:8])])
     assert [(c.kind, c.tier) for c in changes] == [(EventKind.CLEARED, None)]
-    assert stream.translator.held_blocks() == () and stream.gaps == 1
+    assert stream.translator.residency().tiers == () and stream.gaps == 1
     # Later stores from the root translate again; an unknown parent now only under-reports.
     [stored] = stream.batch(4, [BlockStored([b"w0", b"w1"], None, TOKENS[:8])])
     assert stored.block_hashes == KEY[:2]
@@ -107,7 +108,7 @@ def test_an_undecodable_batch_counts_as_lost() -> None:
     stream = VllmEventStream(VllmEventTranslator(HASHER))
     stream.batch(0, [BlockStored([b"v0"], None, TOKENS[:4])])
     assert [c.kind for c in stream.batch(1, None)] == [EventKind.CLEARED]
-    assert stream.translator.held_blocks() == () and stream.next_seq == 2
+    assert stream.translator.residency().tiers == () and stream.next_seq == 2
     bad_size = BlockStored([b"v0"], None, TOKENS[:8], block_size=8)
     assert [c.kind for c in stream.batch(2, [bad_size])] == [EventKind.CLEARED]
     assert stream.gaps == 2
@@ -139,5 +140,32 @@ def test_our_connectors_events_carry_our_hashes_and_their_tier() -> None:
         (EventKind.REMOVED, Tier.CPU, KEY[1:2]),
         (EventKind.STORED, Tier.DISK, KEY[1:2]),
     ]
-    assert translator.held_blocks() == KEY[:1]
+    assert translator.residency() == Residency(
+        ((Tier.GPU, KEY[:1]), (Tier.CPU, KEY[:1]), (Tier.DISK, KEY[1:2]))
+    )
     assert translator.untranslatable == 0
+
+
+def test_clearing_the_engines_cache_keeps_the_connectors_tiers() -> None:
+    """Regression: vLLM's AllBlocksCleared (reset_prefix_cache clears the engine's own cache)
+    became a CLEARED of every tier, so the registry forgot the CPU and disk blocks our
+    connector still held, and so did the next resync snapshot."""
+    translator = VllmEventTranslator(HASHER)
+    ours = [int(h) for h in KEY[:2]]
+    translator.translate([BlockStored([b"v0", b"v1"], None, TOKENS[:8])])
+    translator.translate([BlockStored(ours, None, [], medium="CPU", ownership="prefixmesh")])
+    [cleared] = translator.translate([AllBlocksCleared()])
+    assert (cleared.kind, cleared.tier) == (EventKind.CLEARED, Tier.GPU)
+    assert translator.residency() == Residency(((Tier.CPU, KEY[:2]),))
+
+
+def test_a_lost_batch_forgets_the_lower_tiers_too() -> None:
+    """Our connector's events travel in the same numbered batches: after a gap its tiers are
+    unknown as well, and the registry is told to clear them (it under-reports, never lies)."""
+    stream = VllmEventStream(VllmEventTranslator(HASHER))
+    own = BlockStored([int(KEY[0])], None, [], medium="DISK", ownership="prefixmesh")
+    stream.batch(0, [own])
+    assert stream.translator.residency().blocks(Tier.DISK) == KEY[:1]
+    [cleared] = stream.batch(2, [])
+    assert (cleared.kind, cleared.tier) == (EventKind.CLEARED, None)
+    assert stream.translator.residency().tiers == ()

@@ -13,7 +13,7 @@ from prefixmesh.cache_registry.types import (
     ReplicaId,
     Tier,
 )
-from prefixmesh.replica.engines.base import BlockChange
+from prefixmesh.replica.engines.base import BlockChange, Residency
 from prefixmesh.replica.publisher import EventPublisher
 
 R = ReplicaId("r")
@@ -37,6 +37,10 @@ class FlakyTarget:
         return self.state.publish(events)
 
 
+def engine_tier(blocks: tuple[BlockHash, ...]) -> Residency:
+    return Residency(((Tier.GPU, blocks),))
+
+
 def held(target: FlakyTarget) -> int:
     hit = target.state.lookup(KEY, [R]).get(R)
     return 0 if hit is None else hit.num_blocks
@@ -44,7 +48,7 @@ def held(target: FlakyTarget) -> int:
 
 async def test_changes_are_numbered_and_batched() -> None:
     target = FlakyTarget()
-    publisher = EventPublisher(R, target, lambda: H, max_batch_events=2)
+    publisher = EventPublisher(R, target, lambda: engine_tier(H), max_batch_events=2)
     publisher.submit(
         [
             BlockChange(EventKind.STORED, Tier.GPU, H[:2]),
@@ -62,7 +66,7 @@ async def test_changes_are_numbered_and_batched() -> None:
 async def test_a_lost_batch_triggers_a_snapshot_in_a_new_epoch() -> None:
     target = FlakyTarget()
     holding: list[BlockHash] = list(H[:4])
-    publisher = EventPublisher(R, target, lambda: tuple(holding))
+    publisher = EventPublisher(R, target, lambda: engine_tier(tuple(holding)))
     publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:2])])
     await publisher.flush()
     first_epoch = publisher.epoch
@@ -77,9 +81,26 @@ async def test_a_lost_batch_triggers_a_snapshot_in_a_new_epoch() -> None:
     assert held(target) == 4
 
 
+async def test_a_resync_snapshot_names_the_lower_tiers_too() -> None:
+    """Regression: the snapshot named only the engine tier, so after any resync the registry
+    forgot every block the replica held in its CPU and disk tiers."""
+    target = FlakyTarget()
+    residency = Residency(((Tier.GPU, H[:1]), (Tier.CPU, H[:3]), (Tier.DISK, H[3:4])))
+    publisher = EventPublisher(R, target, lambda: residency)
+    publisher._resync_needed = True
+    await publisher.flush()
+    assert [(e.seq, e.kind, e.tier, e.block_hashes) for e in target.batches[-1]] == [
+        (0, EventKind.STORED, Tier.GPU, H[:1]),
+        (1, EventKind.STORED, Tier.CPU, H[:3]),
+        (2, EventKind.STORED, Tier.DISK, H[3:4]),
+    ]
+    hit = target.state.lookup(KEY, [R])[R]
+    assert (hit.num_blocks, hit.blocks_by_tier) == (4, (1, 2, 1))
+
+
 async def test_a_gap_reported_by_the_registry_triggers_a_resync() -> None:
     target = FlakyTarget()
-    publisher = EventPublisher(R, target, lambda: H[:3])
+    publisher = EventPublisher(R, target, lambda: engine_tier(H[:3]))
     publisher._next_seq = 5  # as if events 0..4 had been lost on the way
     publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:1])])
     await publisher.flush()
@@ -95,12 +116,12 @@ async def test_an_unreachable_registry_is_retried_with_backoff_and_healed_after(
     target.drop_next = 10**9  # down
     snapshots = 0
 
-    def held_blocks() -> tuple[BlockHash, ...]:
+    def residency() -> Residency:
         nonlocal snapshots
         snapshots += 1
-        return H[:3]
+        return Residency(((Tier.GPU, H[:3]),))
 
-    publisher = EventPublisher(R, target, held_blocks, interval_s=0.005)
+    publisher = EventPublisher(R, target, residency, interval_s=0.005)
     publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:1])])
     publisher.start()
     try:
@@ -121,7 +142,9 @@ async def test_an_unreachable_registry_is_retried_with_backoff_and_healed_after(
 
 async def test_an_idle_replica_heals_a_registry_that_lost_its_state() -> None:
     target = FlakyTarget()
-    publisher = EventPublisher(R, target, lambda: H[:3], interval_s=0.005, heartbeat_s=0.1)
+    publisher = EventPublisher(
+        R, target, lambda: engine_tier(H[:3]), interval_s=0.005, heartbeat_s=0.1
+    )
     publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:3])])
     publisher.start()
     try:
@@ -172,7 +195,9 @@ async def eventually(check, timeout_s: float = 3.0) -> None:  # type: ignore[no-
 
 async def test_an_idle_replica_heartbeats_its_last_delivered_event() -> None:
     target = LiveTarget()
-    publisher = EventPublisher(R, target, lambda: H[:2], heartbeat_s=0.05, liveness=target)
+    publisher = EventPublisher(
+        R, target, lambda: engine_tier(H[:2]), heartbeat_s=0.05, liveness=target
+    )
     publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:2])])
     publisher.start()
     try:
@@ -186,7 +211,7 @@ async def test_an_idle_replica_heartbeats_its_last_delivered_event() -> None:
 
 async def test_a_heartbeat_mismatch_triggers_a_snapshot() -> None:
     target = LiveTarget()
-    publisher = EventPublisher(R, target, lambda: H[:3], liveness=target)
+    publisher = EventPublisher(R, target, lambda: engine_tier(H[:3]), liveness=target)
     publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:3])])
     await publisher.flush()
     first_epoch = publisher.epoch
@@ -201,7 +226,9 @@ async def test_a_heartbeat_mismatch_triggers_a_snapshot() -> None:
 
 async def test_an_unanswered_heartbeat_is_retried_soon_without_a_resync() -> None:
     target = LiveTarget()
-    publisher = EventPublisher(R, target, lambda: H[:1], heartbeat_s=1.0, liveness=target)
+    publisher = EventPublisher(
+        R, target, lambda: engine_tier(H[:1]), heartbeat_s=1.0, liveness=target
+    )
     publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:1])])
     await publisher.flush()
     target.unreachable = True

@@ -13,8 +13,14 @@ from typing import Any
 import pytest
 
 from prefixmesh.cache_registry.factory import make_hasher
-from prefixmesh.cache_registry.types import EventKind
-from prefixmesh.replica.engines.base import BlockChange, EngineChunk, EngineRequest, HeldMirror
+from prefixmesh.cache_registry.types import EventKind, Tier
+from prefixmesh.replica.engines.base import (
+    BlockChange,
+    EngineChunk,
+    EngineRequest,
+    HeldMirror,
+    Residency,
+)
 from prefixmesh.replica.engines.remote_engine import (
     RemoteEngine,
     RemoteEngineLost,
@@ -22,9 +28,11 @@ from prefixmesh.replica.engines.remote_engine import (
     decode_changes,
     decode_chunk,
     decode_request,
+    decode_residency,
     encode_changes,
     encode_chunk,
     encode_request,
+    encode_residency,
     ndjson_lines,
 )
 from prefixmesh.wire import SamplingSettings
@@ -57,13 +65,20 @@ def test_the_wire_format_round_trips() -> None:
 
 def test_the_mirror_follows_stores_removals_and_clears() -> None:
     mirror = HeldMirror()
-    told = mirror.snapshot([1, 2])  # type: ignore[list-item]
-    assert [c.kind for c in told] == [EventKind.CLEARED, EventKind.STORED]
+    told = mirror.snapshot(Residency(((Tier.GPU, (1, 2)), (Tier.DISK, (9,)))))  # type: ignore[arg-type]
+    assert [(c.kind, c.tier) for c in told] == [
+        (EventKind.CLEARED, None),
+        (EventKind.STORED, Tier.GPU),
+        (EventKind.STORED, Tier.DISK),
+    ]
+    assert decode_residency(encode_residency(mirror.residency())) == mirror.residency()
     mirror.apply([BlockChange(EventKind.STORED, block_hashes=(3,))])  # type: ignore[arg-type]
     mirror.apply([BlockChange(EventKind.REMOVED, block_hashes=(1,))])  # type: ignore[arg-type]
     assert mirror.blocks() == (2, 3)
+    mirror.apply([BlockChange(EventKind.CLEARED, Tier.GPU)])
+    assert mirror.blocks() == () and mirror.blocks(Tier.DISK) == (9,)
     mirror.apply([BlockChange(EventKind.CLEARED, None)])
-    assert mirror.blocks() == ()
+    assert mirror.residency().tiers == ()
 
 
 async def test_generates_remotely_and_mirrors_the_cache(
@@ -84,7 +99,7 @@ async def test_generates_remotely_and_mirrors_the_cache(
         chunks = [c async for c in engine.generate(request)]
         assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finished
         expected = hasher.hash_tokens(PROMPT).block_hashes
-        await eventually(lambda: set(expected) <= set(engine.held_blocks()))
+        await eventually(lambda: set(expected) <= set(engine.residency().blocks()))
         assert any(
             c.kind is EventKind.STORED and set(c.block_hashes) == set(expected) for c in seen
         )
@@ -104,9 +119,9 @@ async def test_generates_remotely_and_mirrors_the_cache(
         for _ in range(100):
             assert await engine.reset_prefix_cache()
             await asyncio.sleep(0.05)
-            if engine.held_blocks() == ():
+            if engine.residency().blocks() == ():
                 break
-        assert engine.held_blocks() == ()
+        assert engine.residency().blocks() == ()
         assert any(c.kind is EventKind.REMOVED for c in seen)
     finally:
         await engine.shutdown()
@@ -126,7 +141,7 @@ async def test_a_late_subscriber_starts_from_a_snapshot(
         late = RemoteEngine(RemoteEngineSettings(server.url), hasher, told.extend)
         await late.start()
         expected = set(hasher.hash_tokens(PROMPT).block_hashes)
-        await eventually(lambda: set(late.held_blocks()) == expected)
+        await eventually(lambda: set(late.residency().blocks()) == expected)
         assert told[0].kind is EventKind.CLEARED and set(told[1].block_hashes) == expected
         await late.shutdown()
     finally:
