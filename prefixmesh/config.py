@@ -663,6 +663,14 @@ class KVCacheConfig(_Section):
     disk_read_gb_per_s: float | None = Field(default=None, gt=0)
     """Read bandwidth of the disk tier (None: measured at start by reading a 32 MiB file back,
     which the page cache may serve)."""
+    async_loads: bool = True
+    """Load a request's blocks from the CPU and disk tiers on a loader thread while the engine
+    runs the other requests' steps; the request joins the batch once its blocks are in
+    (vLLM's asynchronous KV loads). False: every load runs inside the step that needs it,
+    and that step waits for it."""
+    load_thread_nice: int = Field(default=10, ge=0, le=19)
+    """Niceness of the loader thread (Linux, per thread): above the engine's, so a load takes
+    the core only when the engine's compute threads leave it, and decode steps keep their pace."""
 
     @property
     def tiers_enabled(self) -> bool:

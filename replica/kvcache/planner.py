@@ -13,12 +13,18 @@ vLLM's; the policy sees only tiers 1 (CPU) and 2 (disk).
 Each engine step the planner hands the worker one ``StepPlan``: the loads to run before the
 forward pass, and an ordered list of moves, drops and stores to run after it (stores read
 blocks the pass has just computed). Residency changes become tier-tagged events.
+
+A load can also be asynchronous (Strata's rule: loading never leaves the batch waiting): the
+request waits outside the batch while a loader runs its ``RequestLoad`` beside the engine's
+steps, and joins once the worker reports it done (``load_finished``). Its blocks stay pinned
+until then, and the loads still queued count against the next request's: a load that would
+wait behind them longer than recomputing takes is not made (``match``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
 from prefixmesh.replica.kvcache.policy.base import BlockRef, CachePolicy
@@ -63,13 +69,25 @@ Job = StoreJob | MoveJob | DropJob
 
 
 @dataclass(frozen=True, slots=True)
+class RequestLoad:
+    """One request's asynchronous load: the worker reports ``request_id`` once every job ran."""
+
+    request_id: str
+    jobs: tuple[LoadJob, ...]
+    seconds: float
+    """What the jobs cost at the measured read rates (the loader queue's backlog)."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     loads: tuple[LoadJob, ...] = ()
     jobs: tuple[Job, ...] = ()
     """In order, after the forward pass."""
+    async_loads: tuple[RequestLoad, ...] = ()
+    """Loads to start beside the engine's steps (the requests wait outside the batch)."""
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.jobs)
+        return bool(self.loads or self.jobs or self.async_loads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +110,10 @@ class LoadCosts:
 
     def saving_s(self, tier: Tier) -> float:
         """Recompute time minus load time of one block from ``tier`` (> 0: load it)."""
-        return (
-            self.block_tokens / self.prefill_tokens_per_s
-            - self.page_bytes / self.read_bytes_per_s[tier]
-        )
+        return self.block_tokens / self.prefill_tokens_per_s - self.load_s(tier)
+
+    def load_s(self, tier: Tier) -> float:
+        return self.page_bytes / self.read_bytes_per_s[tier]
 
 
 @dataclass(slots=True)
@@ -107,6 +125,10 @@ class _Counters:
     rejected: int = 0
     promotions: int = 0
     loads_declined: int = 0
+    """Blocks held in a lower tier but recomputed: loading them would not have been faster
+    (their read, or the wait behind the loads queued before them)."""
+    async_loads: int = 0
+    """Requests whose blocks were loaded beside the engine's steps."""
 
 
 class TierPlanner:
@@ -120,6 +142,11 @@ class TierPlanner:
         self._ref: dict[BlockHash, BlockRef] = {}
         self._size = {t: 0 for t in LOWER_TIERS}
         self._pinned: set[BlockHash] = set()
+        self._loading: dict[str, RequestLoad] = {}
+        """Asynchronous loads the worker has not reported done: their blocks stay pinned."""
+        self._loading_pins: dict[BlockHash, int] = {}
+        self._backlog_s = 0.0
+        self._async: list[RequestLoad] = []
         self._loads: list[LoadJob] = []
         self._jobs: list[Job] = []
         self._changes: list[TierChange] = []
@@ -135,6 +162,11 @@ class TierPlanner:
 
     def blocks_in(self, tier: Tier) -> list[BlockHash]:
         return [b for b, t in self._tier.items() if t == tier]
+
+    def measured_prefill(self, tokens_per_s: float) -> None:
+        """The engine's prefill rate as measured now (``PrefillRateMeter``): what a load is
+        weighed against from here on."""
+        self.costs = replace(self.costs, prefill_tokens_per_s=tokens_per_s)
 
     def restore(self, tier: Tier, blocks: Iterable[BlockHash]) -> None:
         """Blocks a tier already holds at start (the disk index, oldest first); past the
@@ -163,12 +195,20 @@ class TierPlanner:
             if held:
                 self.policy.touch(tier, held)
 
+    @property
+    def backlog_s(self) -> float:
+        """Seconds of asynchronous loads handed to the worker and not reported done."""
+        return self._backlog_s
+
     def match(self, blocks: Sequence[BlockHash], start: int, limit: int) -> int:
         """How many blocks from index ``start`` (the engine's own hit) to load: the longest
         run the lower tiers hold, cut where loading the rest no longer beats recomputing it
-        (at most ``limit`` blocks in all: vLLM computes at least the prompt's last token)."""
+        (at most ``limit`` blocks in all: vLLM computes at least the prompt's last token).
+        A load waits behind the asynchronous loads still queued: nothing is loaded unless it
+        beats recomputing by more than that wait."""
         best = run = 0
-        saved = best_saved = 0.0
+        saved = 0.0
+        best_saved = self._backlog_s
         for block in blocks[start:limit]:
             tier = self._tier.get(block)
             if tier is None:
@@ -181,15 +221,48 @@ class TierPlanner:
             self.counters.loads_declined += run - best
         return best
 
-    def plan_loads(self, blocks: Sequence[BlockHash], engine_blocks: Sequence[int]) -> None:
-        """Load ``blocks`` into ``engine_blocks`` this step (after ``match`` said so)."""
+    def plan_loads(
+        self,
+        blocks: Sequence[BlockHash],
+        engine_blocks: Sequence[int],
+        request_id: str | None = None,
+    ) -> None:
+        """Load ``blocks`` into ``engine_blocks`` (after ``match`` said so): in this step, or,
+        given the request's id, beside the coming steps until ``load_finished``."""
+        jobs = []
         for block, engine_block in zip(blocks, engine_blocks, strict=True):
             tier = self._tier.get(block)
             if tier is None:  # evicted since match: vLLM recomputes it (reported as failed)
                 raise KeyError(f"block {block:016x} left the lower tiers before its load")
-            self._loads.append(LoadJob(block, tier, engine_block))
-            self._pinned.add(block)
+            jobs.append(LoadJob(block, tier, engine_block))
             self.counters.loads[tier] += 1
+        if request_id is None:
+            self._loads += jobs
+            self._pinned.update(blocks)
+            return
+        if request_id in self._loading:
+            raise ValueError(f"request {request_id} is loading already")
+        load = RequestLoad(request_id, tuple(jobs), sum(self.costs.load_s(j.tier) for j in jobs))
+        self._loading[request_id] = load
+        self._async.append(load)
+        self._backlog_s += load.seconds
+        for block in blocks:
+            self._loading_pins[block] = self._loading_pins.get(block, 0) + 1
+        self.counters.async_loads += 1
+
+    def load_finished(self, request_id: str) -> None:
+        """The worker ran ``request_id``'s asynchronous load (its failed blocks come through
+        ``forget_failed``): its blocks may be evicted again."""
+        load = self._loading.pop(request_id, None)
+        if load is None:
+            return
+        self._backlog_s = max(0.0, self._backlog_s - load.seconds) if self._loading else 0.0
+        for job in load.jobs:
+            left = self._loading_pins[job.block] - 1
+            if left:
+                self._loading_pins[job.block] = left
+            else:
+                del self._loading_pins[job.block]
 
     # ---- computed blocks -----------------------------------------------------------------------
 
@@ -220,9 +293,10 @@ class TierPlanner:
     # ---- the step ------------------------------------------------------------------------------
 
     def take_plan(self) -> StepPlan:
-        plan = StepPlan(tuple(self._loads), tuple(self._jobs))
+        plan = StepPlan(tuple(self._loads), tuple(self._jobs), tuple(self._async))
         self._loads.clear()
         self._jobs.clear()
+        self._async.clear()
         self._pinned.clear()
         return plan
 
@@ -249,7 +323,8 @@ class TierPlanner:
         return self._evict_for(tier, ref)
 
     def _evict_for(self, tier: Tier, ref: BlockRef) -> bool:
-        displaced = self.policy.victim(tier, self._pinned)
+        pinned = self._pinned | self._loading_pins.keys() if self._loading_pins else self._pinned
+        displaced = self.policy.victim(tier, pinned)
         if displaced is None or not self.policy.admit(tier, ref.block, displaced):
             return False
         self._demote(tier, displaced)

@@ -9,6 +9,7 @@ from prefixmesh.replica.kvcache.planner import (
     LoadCosts,
     LoadJob,
     MoveJob,
+    RequestLoad,
     StoreJob,
     TierChange,
     TierPlanner,
@@ -107,6 +108,15 @@ def test_a_disk_slower_than_recomputing_is_not_read() -> None:
     assert fast.match([B(1), B(2), B(3)], start=0, limit=3) == 3
 
 
+def test_the_measured_prefill_rate_decides_between_loading_and_recomputing() -> None:
+    p = planner(cpu=0, disk=4)  # 1 ms a disk block against 12.8 ms to recompute it
+    store_each(p, 1, 2)
+    assert p.match([B(1), B(2)], start=0, limit=2) == 2
+    p.measured_prefill(1_000_000.0)  # measured: a block recomputes in 0.128 ms, faster
+    assert p.match([B(1), B(2)], start=0, limit=2) == 0
+    assert p.costs.prefill_tokens_per_s == 1_000_000.0
+
+
 def test_a_prompt_longer_than_the_cpu_tier_writes_its_tail_to_disk() -> None:
     p = planner(cpu=2, disk=4)
     store_all(p, chain(1, 2, 3))  # this step's blocks are not evicted for each other
@@ -133,6 +143,42 @@ def test_loads_are_planned_and_pinned_against_eviction_in_the_same_step() -> Non
     assert p.counters.rejected == 1
     store_all(p, chain(9))  # next step nothing is pinned
     assert p.take_plan().jobs[-1] == StoreJob(B(9), 0)
+
+
+def test_an_async_load_keeps_its_blocks_pinned_until_the_worker_reports_it() -> None:
+    p = planner(cpu=2, disk=0)
+    store_all(p, chain(1, 2))
+    p.take_plan()
+    p.plan_loads([B(1), B(2)], [40, 41], request_id="req")
+    plan = p.take_plan()
+    assert plan.loads == ()
+    seconds = 2 * 10**6 / 1e10
+    jobs = (LoadJob(B(1), Tier.CPU, 40), LoadJob(B(2), Tier.CPU, 41))
+    assert plan.async_loads == (RequestLoad("req", jobs, seconds),)
+    assert p.backlog_s == seconds and p.counters.async_loads == 1
+    store_all(p, chain(9))  # steps later, still loading: no victim, 9 is not written
+    assert p.take_plan().jobs == () and p.tier_of(B(1)) is Tier.CPU
+    p.load_finished("req")
+    assert p.backlog_s == 0.0
+    store_all(p, chain(8))  # now a victim can go (the deeper one first)
+    assert p.take_plan().jobs == (DropJob(B(2), Tier.CPU), StoreJob(B(8), 0))
+
+
+def test_a_load_that_would_wait_behind_the_queue_longer_than_a_recompute_is_not_made() -> None:
+    p = planner(cpu=8, disk=0)  # a CPU block saves 12.7 ms against recomputing it
+    store_all(p, chain(1, 2, 3))
+    p.take_plan()
+    assert p.match([B(1), B(2), B(3)], start=0, limit=3) == 3
+    queued = [B(1), B(2), B(3)]
+    p.plan_loads(queued, [10, 11, 12], request_id="first")
+    # A queue of 0.3 ms is far less than what loading saves: load behind it.
+    assert p.match([B(1), B(2), B(3)], start=0, limit=3) == 3
+    p._backlog_s = 0.030  # as if 30 ms of loads were queued: two blocks save only 25.4 ms
+    assert p.match([B(1), B(2)], start=0, limit=2) == 0
+    assert p.match([B(1), B(2), B(3)], start=0, limit=3) == 3  # three save 38.1 ms
+    p.load_finished("first")
+    p.load_finished("first")  # reported twice (or never planned here): nothing happens
+    assert p.backlog_s == 0.0
 
 
 def test_a_disk_block_admitted_again_is_promoted_from_the_engine_copy() -> None:
