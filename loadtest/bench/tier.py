@@ -8,6 +8,9 @@ find it in the engine (never, with LRU and more prefixes than fit), the CPU tier
 tier. Each variant runs its own engine on the same prompts; TTFT is measured at the engine
 (``AsyncLLM`` in this process), without HTTP or Ray in the way.
 
+``--stall-check`` measures something else: whether requests already decoding keep their pace
+while another request's prefix loads from a tier (``stall.py``).
+
 Variants: ``none`` (the engine's cache alone), ``cpu`` (a CPU tier that holds every prefix),
 ``disk`` (a disk tier alone, so every later hit is a disk read). ``--drop-caches`` asks the
 kernel to drop its page cache before each disk-variant request (root only), so disk hits are
@@ -75,6 +78,20 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     p.add_argument("--drop-caches", action="store_true")
     p.add_argument("--disk-dir", default=None, help="default: a fresh temporary folder")
     p.add_argument("--json", default=None)
+    stall = p.add_argument_group("stall check (loadtest/bench/stall.py)")
+    stall.add_argument(
+        "--stall-check",
+        action="store_true",
+        help="instead of the variants: decode steps of running requests while prefixes load",
+    )
+    stall.add_argument(
+        "--stall-check-sync",
+        action="store_true",
+        help="also run it with loads inside the step that needs them (kvcache.async_loads off)",
+    )
+    stall.add_argument("--stall-tier", choices=("disk", "cpu"), default="disk")
+    stall.add_argument("--decoders", type=int, default=4)
+    stall.add_argument("--decode-tokens", type=int, default=800)
     args = p.parse_args(argv)
     if args.prefix_tokens % args.block_size or args.prefix_tokens <= 0:
         p.error("--prefix-tokens must be a positive multiple of --block-size")
@@ -83,7 +100,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     return args
 
 
-def _page_bytes(model_path: Path, block_size: int) -> int:
+def page_bytes(model_path: Path, block_size: int) -> int:
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_path)
@@ -91,46 +108,32 @@ def _page_bytes(model_path: Path, block_size: int) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2 * block_size
 
 
-def _drop_page_cache() -> None:
+def drop_page_cache() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-async def run_variant(
-    variant: str, args: argparse.Namespace, model_path: Path, disk_dir: Path
-) -> VariantResult:
+async def start_engine(
+    args: argparse.Namespace,
+    model_path: Path,
+    kv_cache_bytes: int,
+    kvcache: dict[str, Any],
+    max_model_len: int | None = None,
+) -> Any:
+    """A started ``VllmEngine`` (in this process's event loop) with these ``kvcache`` settings
+    for our KV connector (none when no tier is on)."""
     from prefixmesh.cache_registry.factory import make_hasher
-    from prefixmesh.replica.engines.base import EngineRequest
     from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
     from prefixmesh.replica.kvcache.connector import connector_extra_config
-    from prefixmesh.wire import SamplingSettings
 
-    block = args.block_size
-    page = _page_bytes(model_path, block)
-    prompt_blocks = (args.prefix_tokens + QUESTION_TOKENS) // block + 1
-    engine_blocks = args.engine_prompts * prompt_blocks
-    all_prefixes_gib = args.prefixes * prompt_blocks * page / 2**30 * 1.1
-    cpu_gib = all_prefixes_gib if variant == "cpu" else 0.0
-    disk_gib = all_prefixes_gib if variant == "disk" else 0.0
-    cfg = load_config(
-        None,
-        {
-            "cache": {"block_size": block},
-            "kvcache": {
-                "policy": args.policy,
-                "cpu_tier_gib": cpu_gib,
-                "disk_tier_gib": disk_gib,
-                "disk_dir": str(disk_dir / variant),
-            },
-        },
-    )
+    cfg = load_config(None, {"cache": {"block_size": args.block_size}, "kvcache": kvcache})
     # A generous prefill guess: loads are chosen only when they beat it (they do by far).
     extra = connector_extra_config(cfg, 30_000.0) if cfg.kvcache.tiers_enabled else None
     settings = VllmEngineSettings(
         model_path=str(model_path),
-        block_size=block,
-        max_model_len=args.prefix_tokens + QUESTION_TOKENS + 64,
-        kv_cache_bytes=engine_blocks * page,
+        block_size=args.block_size,
+        max_model_len=max_model_len or args.prefix_tokens + QUESTION_TOKENS + 64,
+        kv_cache_bytes=kv_cache_bytes,
         enforce_eager=True,
         tensor_parallel_size=1,
         cpu_core=None,
@@ -139,6 +142,33 @@ async def run_variant(
     )
     engine = VllmEngine(settings, make_hasher(cfg), lambda changes: None)
     await engine.start()
+    return engine
+
+
+async def run_variant(
+    variant: str, args: argparse.Namespace, model_path: Path, disk_dir: Path
+) -> VariantResult:
+    from prefixmesh.replica.engines.base import EngineRequest
+    from prefixmesh.wire import SamplingSettings
+
+    block = args.block_size
+    page = page_bytes(model_path, block)
+    prompt_blocks = (args.prefix_tokens + QUESTION_TOKENS) // block + 1
+    engine_blocks = args.engine_prompts * prompt_blocks
+    all_prefixes_gib = args.prefixes * prompt_blocks * page / 2**30 * 1.1
+    cpu_gib = all_prefixes_gib if variant == "cpu" else 0.0
+    disk_gib = all_prefixes_gib if variant == "disk" else 0.0
+    engine = await start_engine(
+        args,
+        model_path,
+        engine_blocks * page,
+        {
+            "policy": args.policy,
+            "cpu_tier_gib": cpu_gib,
+            "disk_tier_gib": disk_gib,
+            "disk_dir": str(disk_dir / variant),
+        },
+    )
     rng = random.Random(0)  # the same prompts for every variant
     prefixes = [
         tuple(rng.randrange(3, 8000) for _ in range(args.prefix_tokens))
@@ -152,7 +182,7 @@ async def run_variant(
             for i, prefix in enumerate(prefixes):
                 question = tuple(rng.randrange(3, 8000) for _ in range(QUESTION_TOKENS))
                 if variant == "disk" and args.drop_caches and rnd:
-                    await asyncio.to_thread(_drop_page_cache)
+                    await asyncio.to_thread(drop_page_cache)
                 request = EngineRequest(
                     f"{variant}-{rnd}-{i}",
                     prefix + question,
@@ -217,6 +247,8 @@ def main(argv: list[str], prog: str = "tier-bench") -> int:
 
     cfg = load_config()
     model_path = ensure_demo_model(Path(cfg.cache_dir).expanduser() / "models", args.model_size)
+    if args.stall_check:
+        return stall_check(args, model_path)
     results: list[VariantResult] = []
     with tempfile.TemporaryDirectory(prefix="prefixmesh-tiers-") as scratch:
         disk_dir = Path(args.disk_dir) if args.disk_dir else Path(scratch)
@@ -232,4 +264,24 @@ def main(argv: list[str], prog: str = "tier-bench") -> int:
                 out: dict[str, Any] = {"args": vars(args), "results": [asdict(r) for r in results]}
                 Path(args.json).write_text(json.dumps(out, indent=2))
     print(report(results))
+    return 0
+
+
+def stall_check(args: argparse.Namespace, model_path: Path) -> int:
+    from prefixmesh.loadtest.bench.stall import run_stall
+
+    summaries: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="prefixmesh-stall-") as scratch:
+        disk_dir = Path(args.disk_dir) if args.disk_dir else Path(scratch)
+        for async_loads in (True, False) if args.stall_check_sync else (True,):
+            result = asyncio.run(run_stall(args, model_path, disk_dir, async_loads))
+            summaries.append(result.summary())
+            print(json.dumps(summaries[-1]), flush=True)
+    if args.json:
+        out = {
+            "args": vars(args),
+            "decode_step_ratio": summaries[0]["decode_step_ratio"],
+            "runs": summaries,
+        }
+        Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
