@@ -103,6 +103,13 @@ class CacheEvent:
             raise ValueError("cleared events carry no block hashes")
 
 
+SHARED_TIER = ReplicaId("@shared-tier")
+"""The cluster's shared tier (a directory every replica loads from) as the registry records it:
+once for the whole cluster, as if one holder kept its blocks in the disk tier. No replica has
+this id; routers take its hit out of a lookup and credit it to every replica
+(``router.policy.base.registry_view``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
     """How much of a prefix one replica holds.

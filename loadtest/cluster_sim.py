@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixmesh.cache_registry.memory import RegistryState
-from prefixmesh.cache_registry.types import PrefixHit, PrefixKey, ReplicaId
+from prefixmesh.cache_registry.types import SHARED_TIER, CacheEvent, PrefixHit, PrefixKey, ReplicaId
 from prefixmesh.loadtest.fleet import SimReplica
 from prefixmesh.loadtest.keys import KeyBuilder
 from prefixmesh.loadtest.workloads import WorkloadRequest
@@ -38,9 +38,9 @@ from prefixmesh.replica.model.engine import (
     HoldSpec,
     RequestRecord,
 )
-from prefixmesh.replica.model.prefix_cache import to_events
+from prefixmesh.replica.model.prefix_cache import SharedTier, to_events
 from prefixmesh.replica.model.profile import EngineProfile
-from prefixmesh.router.policy.base import RegistryView, RouteRequest, RoutingPolicy
+from prefixmesh.router.policy.base import RouteRequest, RoutingPolicy, registry_view
 
 _DELIVER, _ENGINE, _ARRIVAL = range(3)
 
@@ -59,6 +59,10 @@ class SimConfig:
     max_holders_per_block: int = 64
     key_seed: int = 0
     """Seed of the content hash chains (any value; equal across policies of one comparison)."""
+    shared_blocks: int = 0
+    """Capacity of the cluster's shared tier, in blocks (0: none). Every replica writes the
+    blocks it computes there and loads from it at its profile's ``shared_load_s_per_block``;
+    the registry records it once (``SHARED_TIER``), with the same lag as a replica's events."""
 
     @classmethod
     def uniform(
@@ -117,8 +121,10 @@ class ClusterSim:
             max_holders_per_block=config.max_holders_per_block,
             hotness_half_life_s=config.hotness_half_life_s,
         )
+        self.shared = SharedTier(config.shared_blocks) if config.shared_blocks else None
+        self._shared_seq = 0
         self.replicas = [
-            SimReplica(i, config.profile, tp) for i, tp in enumerate(config.tp_degrees)
+            SimReplica(i, config.profile, tp, self.shared) for i, tp in enumerate(config.tp_degrees)
         ]
         self._by_id = {r.replica_id: r for r in self.replicas}
         self.keys = KeyBuilder(config.profile.block_size, config.key_seed)
@@ -199,7 +205,7 @@ class ClusterSim:
         hits = registry.lookup(key, ()) if key.block_hashes else {}
         group = policy.prefix_group(route_request)
         group_rate = registry.rate(group) if group is not None else 0.0
-        decision = policy.route(route_request, snapshots, RegistryView(hits, group_rate), now)
+        decision = policy.route(route_request, snapshots, registry_view(hits, group_rate), now)
         replica = self._by_id[decision.chosen]
         self._speculate(key, replica.replica_id, hits.get(replica.replica_id))
         if group is not None:
@@ -259,13 +265,26 @@ class ClusterSim:
             if isinstance(event, CacheChanged):
                 published = to_events(event.changes, replica.replica_id, replica.seq)
                 replica.seq += len(published)
-                lag = self.config.registry_lag_s
-                if lag > 0:
-                    self._push(event.time_s + lag, _DELIVER, published)
-                else:
-                    self.registry.publish(published)
+                self._deliver(event.time_s, published)
             elif isinstance(event, Finished):
                 self._finished(replica.replica_id, event)
+        if self.shared is not None:
+            self._deliver(self.now_s, self._shared_events())
+
+    def _shared_events(self) -> list[CacheEvent]:
+        assert self.shared is not None
+        published = to_events(self.shared.take_changes(), SHARED_TIER, self._shared_seq)
+        self._shared_seq += len(published)
+        return published
+
+    def _deliver(self, time_s: float, events: list[CacheEvent]) -> None:
+        if not events:
+            return
+        lag = self.config.registry_lag_s
+        if lag > 0:
+            self._push(time_s + lag, _DELIVER, events)
+        else:
+            self.registry.publish(events)
 
     def _finished(self, replica_id: ReplicaId, event: Finished) -> None:
         record = event.record

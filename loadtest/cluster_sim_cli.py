@@ -40,6 +40,7 @@ from prefixmesh.replica.model.profile import (
     EngineProfile,
     get_profile,
     with_cpu_tier,
+    with_shared_tier,
 )
 from prefixmesh.router.policy import POLICY_NAMES
 from prefixmesh.router.policy.base import RoutingPolicy
@@ -86,6 +87,20 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
     parser.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma-separated")
     parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
     parser.add_argument("--cpu-blocks", type=int, default=0, help="add a CPU tier of N blocks")
+    parser.add_argument(
+        "--shared-blocks",
+        type=int,
+        default=0,
+        help="add a tier of N blocks the whole cluster shares (written by whichever replica "
+        "computed a block, loaded by any)",
+    )
+    parser.add_argument(
+        "--shared-gb-per-s",
+        type=float,
+        default=10.0,
+        help="each replica's read bandwidth from the shared tier (default 10: a fast NVMe or "
+        "RDMA store), which sets its load cost per block",
+    )
     parser.add_argument("--registry-lag-s", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", type=Path, help="prefixmesh YAML config (routing, registry)")
@@ -99,8 +114,10 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name} must be > 0")
-    if args.registry_lag_s < 0 or args.cpu_blocks < 0:
-        parser.error("--registry-lag-s and --cpu-blocks must be >= 0")
+    if args.registry_lag_s < 0 or args.cpu_blocks < 0 or args.shared_blocks < 0:
+        parser.error("--registry-lag-s, --cpu-blocks and --shared-blocks must be >= 0")
+    if args.shared_gb_per_s <= 0:
+        parser.error("--shared-gb-per-s must be > 0")
     return args
 
 
@@ -170,6 +187,8 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     profile = get_profile(args.profile)
     if args.cpu_blocks:
         profile = with_cpu_tier(profile, args.cpu_blocks)
+    if args.shared_blocks:
+        profile = with_shared_tier(profile, args.shared_gb_per_s * 1e9)
     if args.trace is not None:
         if args.rate is not None:
             raise SystemExit("--rate applies to workloads; rescale a trace with --load")
@@ -207,6 +226,7 @@ def run_policy(
     factory: PolicyFactory,
     registry_lag_s: float,
     seed: int,
+    shared_blocks: int = 0,
 ) -> tuple[PolicyMetrics, list[float], dict[str, float]]:
     profile = scenario.profile
     policy = factory(name, config.routing, rng=random.Random(seed), block_size=profile.block_size)
@@ -217,6 +237,7 @@ def run_policy(
         speculative_ttl_s=config.registry.speculative_ttl_s,
         hotness_half_life_s=config.registry.hotness_half_life_s,
         max_holders_per_block=config.registry.max_holders_per_block,
+        shared_blocks=shared_blocks,
     )
     started, cpu_started = time.perf_counter(), time.process_time()
     result = ClusterSim(sim_config, policy).run(scenario.requests)
@@ -282,7 +303,7 @@ def main(
     runs: dict[str, dict[str, float]] = {}
     for name in names:
         rows[name], ttfts[name], runs[name] = run_policy(
-            scenario, name, config, factory, args.registry_lag_s, args.seed
+            scenario, name, config, factory, args.registry_lag_s, args.seed, args.shared_blocks
         )
     walls = {n: r["wall_s"] for n, r in runs.items()}
     print(format_table(scenario, rows, walls, oracle.hit_rate, floor_s))
@@ -300,6 +321,8 @@ def main(
                 "tp_degrees": list(scenario.tp_degrees),
                 "profile": scenario.profile.name,
                 "cpu_blocks": scenario.profile.cpu_blocks,
+                "shared_blocks": args.shared_blocks,
+                "shared_gb_per_s": args.shared_gb_per_s if args.shared_blocks else None,
                 "rate_per_s": scenario.rate_per_s,
                 "load": args.load,
                 "registry_lag_s": args.registry_lag_s,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.replica.model.engine import EngineLoad, EngineModel
+from prefixmesh.replica.model.prefix_cache import SharedTier
 from prefixmesh.replica.model.profile import EngineProfile
 from prefixmesh.router.policy.base import ReplicaSnapshot
 from prefixmesh.router.replica_load import snapshot_of
@@ -28,6 +29,7 @@ def capacity(profile: EngineProfile, tp_degree: int = 1) -> ReplicaCapacity:
         kv_blocks=profile.kv_blocks_at(tp_degree),
         tp_degree=tp_degree,
         cpu_load_s_per_block=profile.cpu_load_s_per_block / speedup if profile.cpu_blocks else 0.0,
+        shared_load_s_per_block=profile.shared_load_s_per_block / speedup,
     )
 
 
@@ -47,10 +49,16 @@ class SimReplica:
 
     __slots__ = ("_load", "_snapshot", "capacity", "engine", "index", "replica_id", "seq")
 
-    def __init__(self, index: int, profile: EngineProfile, tp_degree: int = 1) -> None:
+    def __init__(
+        self,
+        index: int,
+        profile: EngineProfile,
+        tp_degree: int = 1,
+        shared: SharedTier | None = None,
+    ) -> None:
         self.index = index
         self.replica_id = ReplicaId(f"replica-{index}")
-        self.engine = EngineModel(profile, tp_degree)
+        self.engine = EngineModel(profile, tp_degree, shared)
         self.capacity = capacity(profile, tp_degree)
         self.seq = 0
         """Next cache-event sequence number."""

@@ -48,6 +48,7 @@ class PolicyMetrics:
     prefill_tokens: int
     cached_tokens: int
     cpu_cached_tokens: int
+    shared_cached_tokens: int
     held_requests: int
     held_mean_s: float
     """Mean hold time of the requests that were held."""
@@ -91,6 +92,7 @@ def compute_metrics(result: SimResult, oracle: OracleResult) -> PolicyMetrics:
         prefill_tokens=prefill,
         cached_tokens=cached,
         cpu_cached_tokens=sum(r.cpu_cached_tokens for r in records),
+        shared_cached_tokens=sum(r.shared_cached_tokens for r in records),
         held_requests=len(held),
         held_mean_s=sum(held) / len(held) if held else 0.0,
         makespan_s=makespan,

@@ -28,7 +28,7 @@ from typing import Any
 from prefixmesh.cache_registry.factory import make_registry
 from prefixmesh.cache_registry.hashing import FingerprintMismatchError
 from prefixmesh.cache_registry.protocol import CacheRegistry, settled
-from prefixmesh.cache_registry.types import BlockHash, PrefixHit, PrefixKey, ReplicaId
+from prefixmesh.cache_registry.types import SHARED_TIER, BlockHash, PrefixHit, PrefixKey, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.router import holds
 from prefixmesh.router.holds import ClaimSettings, claim_prefix
@@ -42,6 +42,7 @@ from prefixmesh.router.policy.base import (
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
+    registry_view,
 )
 from prefixmesh.router.replica_load import load_rule, snapshot_of
 from prefixmesh.router.spans import note_hit, note_lookup
@@ -229,7 +230,9 @@ class RoutingCore:
         available = bool(getattr(registry, "available", True))
         # The group's rate runs alongside the lookup (which keeps its own deadline).
         rate_call = asyncio.ensure_future(registry.rate(group)) if group is not None else None
-        hits = await registry.lookup(key, replicas, deadline_s=self._deadline_s)
+        # The cluster's shared tier is one more holder (credited to every replica).
+        holders = [*replicas, SHARED_TIER]
+        hits = await registry.lookup(key, holders, deadline_s=self._deadline_s)
         rate = 0.0
         if rate_call is not None:
             left_s = self._deadline_s - (time.perf_counter() - started)
@@ -246,7 +249,7 @@ class RoutingCore:
         note_lookup(self.backend, outcome, elapsed_s)
         if outcome in ("timeout", "unavailable"):
             self.metrics.fell_back(f"registry_{outcome}")
-        return RegistryView(hits, rate), outcome
+        return registry_view(hits, rate), outcome
 
     async def _apply(
         self,

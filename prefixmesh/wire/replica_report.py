@@ -35,6 +35,8 @@ class ReplicaCapacity:
     cpu_load_s_per_block: float = 0.0
     """Time to bring one block back from its CPU tier (0 when it has none)."""
     disk_load_s_per_block: float = 0.0
+    shared_load_s_per_block: float = 0.0
+    """Time to bring one block from the cluster's shared tier (0 when it reads none)."""
     kv_read_s_per_block: float = 0.0
     """Step time added per KV block its running requests hold: decode attention reads every
     one of them each step (KV bytes per block / memory bandwidth). 0 when unknown: then a busy
@@ -59,6 +61,7 @@ class ReplicaCapacity:
                 tp_degree=int(raw.get("tp_degree", 1)),
                 cpu_load_s_per_block=_finite(raw.get("cpu_load_s_per_block", 0.0)),
                 disk_load_s_per_block=_finite(raw.get("disk_load_s_per_block", 0.0)),
+                shared_load_s_per_block=_finite(raw.get("shared_load_s_per_block", 0.0)),
                 kv_read_s_per_block=_finite(raw.get("kv_read_s_per_block", 0.0)),
             )
         except (KeyError, TypeError, ValueError, OverflowError):

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from prefixmesh.cache_registry.types import BlockHash, PrefixKey
-from prefixmesh.replica.model.prefix_cache import CacheChange, PrefixCache
+from prefixmesh.replica.model.prefix_cache import CacheChange, PrefixCache, SharedTier
 from prefixmesh.replica.model.profile import EngineProfile
 
 
@@ -70,6 +70,8 @@ class RequestRecord:
     """Prompt tokens served from cache at admission (both tiers)."""
     cpu_cached_tokens: int = 0
     """Of those, tokens loaded back from the CPU tier."""
+    shared_cached_tokens: int = 0
+    """Of those, tokens loaded from the cluster's shared tier."""
     prefill_tokens: int = 0
     """Prompt tokens computed (prompt_tokens - cached_tokens once admitted)."""
     held_s: float = 0.0
@@ -195,11 +197,13 @@ class _Stretch:
 class EngineModel:
     """One replica's engine; see the module docstring."""
 
-    def __init__(self, profile: EngineProfile, tp_degree: int = 1) -> None:
+    def __init__(
+        self, profile: EngineProfile, tp_degree: int = 1, shared: SharedTier | None = None
+    ) -> None:
         self.profile = profile
         self.tp_degree = tp_degree
         self.block_size = profile.block_size
-        self.cache = PrefixCache(profile.kv_blocks_at(tp_degree), profile.cpu_blocks)
+        self.cache = PrefixCache(profile.kv_blocks_at(tp_degree), profile.cpu_blocks, shared)
         inverse = 1.0 / profile.tp_speedup(tp_degree)
         self._overhead_s = profile.step_overhead_s
         self._weights_s = profile.weight_read_s * inverse
@@ -208,6 +212,7 @@ class EngineModel:
         self._decode_s = profile.decode_s_per_token * inverse
         self._kv_read_s = profile.kv_read_s_per_ctx_token * inverse
         self._load_s = profile.cpu_load_s_per_block * inverse
+        self._shared_load_s = profile.shared_load_s_per_block * inverse
         self._waiting: deque[_Request] = deque()
         self._held: list[_Request] = []
         self._prefilling: list[_Request] = []
@@ -350,7 +355,7 @@ class EngineModel:
             n = min(req.spec.prompt_tokens - req.num_computed, budget)
             chunks.append((req, n))
             budget -= n
-        load_blocks = 0
+        load_s = 0.0
         max_running = self.profile.max_running
         waiting = self._waiting
         while budget > 0 and waiting:
@@ -367,7 +372,7 @@ class EngineModel:
             if loaded < 0:
                 break  # head-of-line: the oldest request waits for blocks
             waiting.popleft()
-            load_blocks += loaded
+            load_s += loaded
             n = min(req.spec.prompt_tokens - req.num_computed, budget)
             chunks.append((req, n))
             budget -= n
@@ -378,7 +383,7 @@ class EngineModel:
         if chunks:
             attn, prefill = self._attn_s, self._prefill_s
             work = sum(n * (prefill + (r.num_computed + n / 2) * attn) for r, n in chunks)
-            step_s = base_s + work + load_blocks * self._load_s
+            step_s = base_s + work + load_s
             stretch = _Stretch(now_s, 1, step_s, 0.0, batch, chunks)
         elif batch:
             decodes = self._decodes
@@ -493,8 +498,9 @@ class EngineModel:
         # They arrived before anything queued behind them while they were held.
         self._waiting.extendleft(reversed(released))
 
-    def _admit(self, req: _Request, now_s: float) -> int:
-        """Reserve blocks and pin hits; the CPU blocks to load, or -1 if it does not fit."""
+    def _admit(self, req: _Request, now_s: float) -> float:
+        """Reserve blocks and pin hits; the time to load its CPU and shared-tier blocks, or -1
+        if it does not fit."""
         spec = req.spec
         size = self.block_size
         hashes = spec.key.block_hashes
@@ -513,12 +519,13 @@ class EngineModel:
         record.admitted_s = now_s
         record.cached_tokens = req.num_computed
         record.cpu_cached_tokens = match.num_cpu_blocks * size
+        record.shared_cached_tokens = match.num_shared_blocks * size
         record.prefill_tokens = spec.prompt_tokens - req.num_computed
         self._pending_prefill += record.prefill_tokens - req.estimate
         req.estimate = 0
         self._prefilling.append(req)
         self._active_kv_blocks += total
-        return match.num_cpu_blocks
+        return match.num_cpu_blocks * self._load_s + match.num_shared_blocks * self._shared_load_s
 
     def _prefill_done(self, req: _Request) -> None:
         spec = req.spec

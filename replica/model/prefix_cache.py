@@ -17,6 +17,10 @@ Engine tier (vLLM's prefix cache semantics):
 CPU tier (optional): a plain LRU of hashes. A block evicted from the engine tier is written to it;
 a hit there is loaded back into an engine block (the CPU copy stays, as a write-through copy).
 
+Shared tier (optional): one ``SharedTier`` for the whole cluster (a disk directory every replica
+reads, in a real cluster): a block is written to it once, by whichever replica computed it, and
+any replica loads it from there; an LRU of hashes, evicted by one policy for the cluster.
+
 Every change of what is held leaves as a ``CacheChange`` (stored/removed, with tier), to be
 published to the registry as ``CacheEvent``s.
 """
@@ -56,16 +60,67 @@ class PrefixMatch:
     """Leading blocks held in some tier."""
     num_cpu_blocks: int = 0
     """Of those, the blocks held only in the CPU tier (to be loaded back)."""
+    num_shared_blocks: int = 0
+    """Of those, the blocks held only in the cluster's shared tier (to be loaded from it)."""
+
+
+class SharedTier:
+    """The cluster's shared tier: block hashes in LRU order, ``capacity_blocks`` at most. Its
+    changes are the cluster's, published once (not per replica)."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError("capacity_blocks must be > 0")
+        self.capacity_blocks = capacity_blocks
+        self._blocks: OrderedDict[BlockHash, None] = OrderedDict()
+        self._changes: list[CacheChange] = []
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def touch(self, blocks: Sequence[BlockHash]) -> None:
+        for block in blocks:
+            self._blocks.move_to_end(block)
+
+    def write(self, blocks: Sequence[BlockHash]) -> None:
+        """Blocks a replica just computed; the ones already there only become recent."""
+        held = self._blocks
+        added = [block for block in blocks if block not in held]
+        for block in blocks:
+            held[block] = None
+            held.move_to_end(block)
+        dropped: list[BlockHash] = []
+        while len(held) > self.capacity_blocks:
+            dropped.append(held.popitem(last=False)[0])
+        if dropped and added:  # written and dropped within one batch: never held
+            new = set(added)
+            dropped = [b for b in dropped if b not in new]
+            added = [b for b in added if b in held]
+        if added:
+            self._changes.append(CacheChange(EventKind.STORED, Tier.DISK, tuple(added)))
+        if dropped:
+            self._changes.append(CacheChange(EventKind.REMOVED, Tier.DISK, tuple(dropped)))
+
+    def take_changes(self) -> list[CacheChange]:
+        changes, self._changes = self._changes, []
+        return changes
 
 
 class PrefixCache:
     """Engine-tier blocks with reference counts and LRU eviction, plus an optional CPU tier."""
 
-    def __init__(self, capacity_blocks: int, cpu_blocks: int = 0) -> None:
+    def __init__(
+        self, capacity_blocks: int, cpu_blocks: int = 0, shared: SharedTier | None = None
+    ) -> None:
         if capacity_blocks <= 0 or cpu_blocks < 0:
             raise ValueError("capacity_blocks must be > 0 and cpu_blocks >= 0")
         self.capacity_blocks = capacity_blocks
         self.cpu_capacity_blocks = cpu_blocks
+        self.shared = shared
+        """The cluster's shared tier, if it has one (the same object in every replica)."""
         self._refs: dict[BlockHash, int] = {}
         """Cached engine-tier blocks -> number of running requests referencing them."""
         self._evictable: OrderedDict[BlockHash, None] = OrderedDict()
@@ -130,14 +185,16 @@ class PrefixCache:
     # ---- requests --------------------------------------------------------------------------
 
     def match(self, hashes: Sequence[BlockHash], max_blocks: int) -> PrefixMatch:
-        """Leading blocks of ``hashes`` (at most ``max_blocks``) held in the engine or CPU tier."""
+        """Leading blocks of ``hashes`` (at most ``max_blocks``) held in the engine tier, the
+        CPU tier or the shared tier."""
         limit = max(0, min(max_blocks, len(hashes)))
         # NOTE: iterate in C (takewhile over dict.__contains__): this runs twice per request.
         num_gpu = len(list(takewhile(self._refs.__contains__, islice(hashes, limit))))
-        if num_gpu == limit or not self._cpu:
+        shared = self.shared
+        if num_gpu == limit or not (self._cpu or shared):
             return PrefixMatch(num_gpu)
         refs, cpu = self._refs, self._cpu
-        num_cpu = 0
+        num_cpu = num_shared = 0
         for i in range(num_gpu, limit):
             block = hashes[i]
             if block in refs:
@@ -145,8 +202,11 @@ class PrefixCache:
             if block in cpu:
                 num_cpu += 1
                 continue
-            return PrefixMatch(i, num_cpu)
-        return PrefixMatch(limit, num_cpu)
+            if shared is not None and block in shared:
+                num_shared += 1
+                continue
+            return PrefixMatch(i, num_cpu, num_shared)
+        return PrefixMatch(limit, num_cpu, num_shared)
 
     def acquire(self, hashes: Sequence[BlockHash], num_hit: int, num_private: int) -> bool:
         """Reference the first ``num_hit`` blocks of ``hashes`` (as matched: CPU-only ones are
@@ -169,9 +229,12 @@ class PrefixCache:
                 if count == 0:
                     del evictable[block]
                 refs[block] = count + 1
-        cpu = self._cpu
-        for block in to_load:
-            cpu.move_to_end(block)  # the loaded copy is the most recently used
+        cpu, shared = self._cpu, self.shared
+        for block in to_load:  # the loaded copy is the most recently used
+            if block in cpu:
+                cpu.move_to_end(block)
+            elif shared is not None:
+                shared.touch((block,))
         self._make_room(needed)
         for block in to_load:
             refs[block] = 1
@@ -196,6 +259,8 @@ class PrefixCache:
         self._private -= len(stored)
         if stored:
             self._changes.append(CacheChange(EventKind.STORED, Tier.GPU, tuple(stored)))
+            if self.shared is not None:  # written once, by the replica that computed it
+                self.shared.write(stored)
         return stored
 
     def release(self, held: Sequence[BlockHash], num_private: int) -> None:

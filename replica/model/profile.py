@@ -7,7 +7,9 @@ One engine step (one forward pass of a continuous-batching engine) takes
                                                  + n * (c + n / 2) * attn_s_per_token_ctx
                        + decodes * decode_s_per_token
                        + decode context tokens * kv_read_s_per_ctx_token
-                       + blocks loaded from the CPU tier * cpu_load_s_per_block) / tp_speedup
+                       + blocks loaded from the CPU tier * cpu_load_s_per_block
+                       + blocks loaded from the shared tier * shared_load_s_per_block)
+                      / tp_speedup
 
 where a prefill chunk of n tokens starts at context c (n * (c + n/2) query-key pairs under a
 causal mask). ``step_overhead_s`` is host-side work (scheduling, sampling, launches) that tensor
@@ -48,6 +50,10 @@ class EngineProfile:
     """Time to bring one block back from the CPU tier."""
     cpu_blocks: int = 0
     """CPU-tier capacity in blocks (0: no CPU tier)."""
+    kv_bytes_per_token: int = 0
+    """KV bytes of one token over every layer (what a load moves)."""
+    shared_load_s_per_block: float = 0.0
+    """Time to bring one block from the cluster's shared tier (its bandwidth to this replica)."""
     tp_efficiency: float = 0.85
     """A TP-t replica runs GPU work t * tp_efficiency times as fast as tp=1 (t > 1)."""
 
@@ -145,6 +151,7 @@ H100_LLAMA8B = EngineProfile(
     # A 2 MiB block (16 x 128 KiB) at 25 GB/s: 84 us, 7.7x cheaper than recomputing its 16 tokens.
     cpu_load_s_per_block=16 * _KV_BYTES_PER_TOKEN / _PCIE_H2D_BYTES_PER_S,
     cpu_blocks=0,  # no CPU tier unless asked for (``with_cpu_tier``)
+    kv_bytes_per_token=_KV_BYTES_PER_TOKEN,
     tp_efficiency=0.85,  # TP-2 ~1.7x on GPU work (all-reduce cost); an estimate
 )
 
@@ -174,6 +181,7 @@ CPU_SMALL = EngineProfile(
     weight_read_s=0.0,  # 13 MB of weights stay in the core's caches; folded into the floor
     cpu_load_s_per_block=0.0,
     cpu_blocks=0,
+    kv_bytes_per_token=_CPU_KV_BYTES_PER_TOKEN,
 )
 
 PROFILES: dict[str, EngineProfile] = {p.name: p for p in (H100_LLAMA8B, CPU_SMALL)}
@@ -193,3 +201,11 @@ def with_cpu_tier(
     """The same engine with a CPU tier of ``cpu_blocks`` blocks."""
     load = profile.cpu_load_s_per_block if cpu_load_s_per_block is None else cpu_load_s_per_block
     return replace(profile, cpu_blocks=cpu_blocks, cpu_load_s_per_block=load)
+
+
+def with_shared_tier(profile: EngineProfile, read_bytes_per_s: float) -> EngineProfile:
+    """The same engine reading the cluster's shared tier at ``read_bytes_per_s``."""
+    if read_bytes_per_s <= 0 or profile.kv_bytes_per_token <= 0:
+        raise ValueError("a shared tier needs a positive bandwidth and the profile's KV size")
+    block_bytes = profile.block_size * profile.kv_bytes_per_token
+    return replace(profile, shared_load_s_per_block=block_bytes / read_bytes_per_s)

@@ -12,7 +12,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prefixmesh.cache_registry.types import BlockHash, PrefixHit, PrefixKey, ReplicaId
+from prefixmesh.cache_registry.types import (
+    SHARED_TIER,
+    BlockHash,
+    PrefixHit,
+    PrefixKey,
+    ReplicaId,
+)
 
 # What replicas report (the wire type), re-exported: policies weigh replicas by it.
 from prefixmesh.wire.replica_report import ReplicaCapacity as ReplicaCapacity
@@ -56,6 +62,19 @@ class RegistryView:
     group_rate: float = 0.0
     """Decayed traffic of the request's prefix group (``RoutingPolicy.prefix_group``), in
     ``traffic_weight`` units per second; 0 when unknown."""
+    shared_blocks: int = 0
+    """Leading blocks the cluster's shared tier holds: any replica can load them (at its
+    ``ReplicaCapacity.shared_load_s_per_block``) instead of computing them."""
+
+
+def registry_view(hits: Mapping[ReplicaId, PrefixHit], group_rate: float = 0.0) -> RegistryView:
+    """The view of a lookup that asked for ``SHARED_TIER`` too: its hit becomes
+    ``shared_blocks``, the rest are the replicas' own."""
+    shared = hits.get(SHARED_TIER)
+    if shared is None:
+        return RegistryView(hits, group_rate)
+    own = {replica: hit for replica, hit in hits.items() if replica != SHARED_TIER}
+    return RegistryView(own, group_rate, shared.num_blocks)
 
 
 @dataclass(frozen=True, slots=True)

@@ -201,7 +201,9 @@ class PrefixmeshPolicy:
         fleet_version = self.model.prepare(replicas)
         members = self._members(request, replicas, view, now_s, fleet_version)
         credit = None if members is None else self._credit(request, view.hits, members)
-        estimates = self.model.estimate(request, replicas, view.hits, price, credit)
+        estimates = self.model.estimate(
+            request, replicas, view.hits, price, credit, view.shared_blocks
+        )
         backlog_s = estimates.least_backlog_s
         self._fleet_backlog_s = backlog_s if backlog_s == backlog_s else 0.0  # NaN: forget
         cost = estimates.cost
@@ -236,7 +238,7 @@ class PrefixmeshPolicy:
         else:
             hold = None
             chosen = self._pick_near_best(replicas, order, cost, near_bound)
-        uncached = self._uncached(request, replicas[chosen], view.hits)
+        uncached = self._uncached(request, replicas[chosen], view)
         self._note(request, replicas[chosen], waits[chosen], uncached, hold is None, now_s)
         self._last_decision = (request.request_id, uncached)
         return RouteDecision(self._ranking(replicas, order, chosen), hold, reason)
@@ -255,14 +257,18 @@ class PrefixmeshPolicy:
         return tuple([(replicas[i].replica_id,) for i in top])
 
     def _uncached(
-        self, request: RouteRequest, snapshot: ReplicaSnapshot, hits: Mapping[ReplicaId, PrefixHit]
+        self, request: RouteRequest, snapshot: ReplicaSnapshot, view: RegistryView
     ) -> int:
-        """Prompt tokens the replica will compute (by what the registry says it holds)."""
-        hit = hits.get(snapshot.replica_id) if hits else None
+        """Prompt tokens the replica will compute (by what the registry says it and the
+        shared tier hold)."""
+        hit = view.hits.get(snapshot.replica_id) if view.hits else None
         if hit is None or hit.num_blocks <= 0:
-            return max(request.prompt_tokens, 0)
-        saved, _ = self.model.held(hit, snapshot.capacity, len(request.key.block_hashes))
-        return self.model.uncached(request, saved)
+            uncached = max(request.prompt_tokens, 0)
+        else:
+            saved, _ = self.model.held(hit, snapshot.capacity, len(request.key.block_hashes))
+            uncached = self.model.uncached(request, saved)
+        model = self.model
+        return model.with_shared(request, snapshot.capacity, uncached, view.shared_blocks)[0]
 
     def _candidates(
         self,

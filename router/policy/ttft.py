@@ -212,6 +212,28 @@ class TtftModel:
                 saved_blocks += disk * self.disk_fallback_credit
         return saved_blocks * self.block_size, load_s
 
+    def shared_tokens(self, capacity: ReplicaCapacity) -> bool:
+        """Whether the replica loads the cluster's shared tier rather than computing what it
+        holds: it reads it (a load cost it reported) faster than it prefills a block."""
+        per_block = capacity.shared_load_s_per_block
+        rate = capacity.prefill_tokens_per_s
+        return rate > 0 and 0 < per_block < self.block_size / rate
+
+    def with_shared(
+        self, request: RouteRequest, capacity: ReplicaCapacity, uncached: int, shared_blocks: int
+    ) -> tuple[int, float]:
+        """(tokens left to compute, seconds of shared-tier loads) for a replica that would
+        compute ``uncached`` tokens on its own, when the shared tier holds the prompt's first
+        ``shared_blocks`` blocks: the blocks past its own hit come from there."""
+        if shared_blocks <= 0 or not self.shared_tokens(capacity):
+            return uncached, 0.0
+        prompt = request.prompt_tokens if request.prompt_tokens > 0 else 0
+        blocks = min(shared_blocks, len(request.key.block_hashes))
+        left = max(prompt - blocks * self.block_size, 1 if prompt else 0)
+        if left >= uncached:
+            return uncached, 0.0
+        return left, (uncached - left) / self.block_size * capacity.shared_load_s_per_block
+
     def uncached(self, request: RouteRequest, saved_tokens: float) -> int:
         """Prompt tokens left to compute; vLLM always computes the last one."""
         prompt = request.prompt_tokens if request.prompt_tokens > 0 else 0
@@ -230,7 +252,11 @@ class TtftModel:
         ).prefill_s_per_token
 
     def explain(
-        self, request: RouteRequest, snapshot: ReplicaSnapshot, hit: PrefixHit | None
+        self,
+        request: RouteRequest,
+        snapshot: ReplicaSnapshot,
+        hit: PrefixHit | None,
+        shared_blocks: int = 0,
     ) -> ReplicaEstimate:
         """The estimate of one candidate, term by term (what ``estimate`` computes in bulk)."""
         capacity = snapshot.capacity
@@ -250,7 +276,10 @@ class TtftModel:
         saved, load_s = (0.0, 0.0)
         if hit is not None and hit.num_blocks > 0:
             saved, load_s = self.held(hit, capacity, len(request.key.block_hashes))
-        uncached = self.uncached(request, saved)
+        uncached, shared_load_s = self.with_shared(
+            request, capacity, self.uncached(request, saved), shared_blocks
+        )
+        load_s += shared_load_s
         prefill_s = max(
             uncached * steps.prefill_s_per_token, steps.decode_step_s + uncached * steps.token_s
         )
@@ -275,6 +304,7 @@ class TtftModel:
         hits: Mapping[ReplicaId, PrefixHit],
         work_price: float = 0.0,
         credit: tuple[Sequence[int], int] | None = None,
+        shared_blocks: int = 0,
     ) -> CandidateEstimates:
         """``explain`` for every candidate, fast (the routing hot path), each priced with
         ``ReplicaEstimate.cost(work_price, queue_externality)``.
@@ -283,6 +313,10 @@ class TtftModel:
         they held at least the prompt's first ``blocks`` blocks in GPU memory (a hot group's
         members: the policy does not charge a request for the copy its group's traffic has
         paid for). The holders list keeps what the registry said.
+
+        ``shared_blocks``: the cluster's shared tier holds the prompt's first blocks; every
+        replica that reads it (``shared_tokens``) is estimated loading from there what it does
+        not hold itself (``with_shared``).
 
         What does not depend on the request (a replica's step times, queue wait, backlog) is
         kept per snapshot object (``_ReplicaTerms``) and recomputed only for the snapshots that
@@ -357,6 +391,16 @@ class TtftModel:
                     uncached_at[index] = credit_uncached
                     if load_at is not None:
                         load_at[index] = 0.0
+        if shared_blocks > 0:
+            for index, snapshot in enumerate(replicas):
+                left, shared_load_s = self.with_shared(
+                    request, snapshot.capacity, uncached_at[index], shared_blocks
+                )
+                if shared_load_s > 0:
+                    uncached_at[index] = left
+                    if load_at is None:
+                        load_at = [0.0] * count
+                    load_at[index] += shared_load_s
         priced = 1.0 + work_price
         # One pass in a comprehension: the per-replica terms are folded so that the cost is
         # linear in the tokens computed there, in one step (u <= chunk) or in chunks.

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixmesh.cache_registry.types import SHARED_TIER
 from prefixmesh.loadtest.cluster_sim import ClusterSim, SimConfig, SimResult
 from prefixmesh.loadtest.keys import KeyBuilder, Segment
 from prefixmesh.loadtest.metrics import compute_metrics
@@ -21,7 +22,8 @@ from prefixmesh.loadtest.workloads import (
     WorkloadRequest,
     make_request,
 )
-from prefixmesh.replica.model.profile import H100_LLAMA8B
+from prefixmesh.replica.model.profile import H100_LLAMA8B, with_shared_tier
+from prefixmesh.router.policy.base import registry_view
 from tests.unit.loadtest.policies import LongestHit, RoundRobin
 
 PROFILE = replace(H100_LLAMA8B, kv_blocks=2048)  # small caches: evictions happen
@@ -126,7 +128,9 @@ _DIGEST_SCRIPT = """
 from dataclasses import replace
 from prefixmesh.loadtest.cluster_sim import ClusterSim, SimConfig
 from prefixmesh.loadtest.workloads import BlogWorkload
-from prefixmesh.replica.model.profile import H100_LLAMA8B
+from prefixmesh.cache_registry.types import SHARED_TIER
+from prefixmesh.replica.model.profile import H100_LLAMA8B, with_shared_tier
+from prefixmesh.router.policy.base import registry_view
 from tests.unit.loadtest.policies import LongestHit
 requests = BlogWorkload(system_prompt_tokens=8192).generate(200, 40.0, seed=7)
 config = SimConfig.uniform(replace(H100_LLAMA8B, kv_blocks=2048), 4)
@@ -150,3 +154,22 @@ def test_results_do_not_depend_on_string_hash_seeds() -> None:
         for seed in ("1", "2")
     ]
     assert outputs[0] == outputs[1] and len(outputs[0]) > 1000
+
+
+def test_a_shared_tier_serves_one_replicas_prefix_to_another() -> None:
+    x = Segment(1, 64)
+    requests = [make_request("a", 0.0, (x,), 2), make_request("b", 10.0, (x,), 2)]
+    profile = with_shared_tier(PROFILE, 10e9)
+    config = SimConfig.uniform(profile, 2, registry_lag_s=0.0, shared_blocks=100)
+    sim = ClusterSim(config, RoundRobin())  # b goes to the replica that never saw x
+    result = sim.run(requests)
+    records = {o.record.request_id: o.record for o in result.outcomes}
+    assert {o.record.request_id: o.replica for o in result.outcomes} == {"a": 0, "b": 1}
+    assert (records["b"].cached_tokens, records["b"].shared_cached_tokens) == (48, 48)
+    assert records["a"].shared_cached_tokens == 0
+    # The registry knows the shared tier once, as its own holder, not per replica.
+    key = KeyBuilder(16).key((x,))
+    hits = sim.registry.lookup(key, ())
+    assert hits[SHARED_TIER].num_blocks == 4
+    assert registry_view(hits).shared_blocks == 4
+    assert SHARED_TIER not in registry_view(hits).hits

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from prefixmesh.cache_registry.types import BlockHash, CacheEvent, EventKind, ReplicaId, Tier
-from prefixmesh.replica.model.prefix_cache import CacheChange, PrefixCache, PrefixMatch, to_events
+from prefixmesh.replica.model.prefix_cache import (
+    CacheChange,
+    PrefixCache,
+    PrefixMatch,
+    SharedTier,
+    to_events,
+)
 
 
 def h(*values: int) -> list[BlockHash]:
@@ -162,3 +168,30 @@ def test_cached_blocks_and_clearing_the_evictable_ones() -> None:
     [change] = cache.take_changes()
     assert (change.kind, change.tier) == (EventKind.REMOVED, Tier.GPU)
     assert sorted(change.block_hashes) == [1, 2]
+
+
+def test_the_shared_tier_is_written_once_by_whoever_computes_and_read_by_every_cache() -> None:
+    shared = SharedTier(3)
+    first, second = PrefixCache(8, shared=shared), PrefixCache(8, shared=shared)
+    run_request(first, h(1, 2))
+    assert shared.take_changes() == [CacheChange(EventKind.STORED, Tier.DISK, (1, 2))]
+    # The other replica never computed them: it finds them in the shared tier, not its own.
+    assert second.match(h(1, 2, 3), 3) == PrefixMatch(2, 0, 2)
+    assert second.acquire(h(1, 2, 3), 2, 1)
+    assert second.take_changes() == [CacheChange(EventKind.STORED, Tier.GPU, (1, 2))]
+    assert second.store(h(1, 2, 3)) == h(3)
+    assert shared.take_changes() == [CacheChange(EventKind.STORED, Tier.DISK, (3,))]
+
+
+def test_the_shared_tier_evicts_its_least_recent_block_for_the_cluster() -> None:
+    shared = SharedTier(2)
+    shared.write(h(1, 2))
+    shared.touch(h(1))
+    shared.write(h(3))  # 2 is the least recent
+    assert 2 not in shared and 1 in shared and 3 in shared
+    shared.write(h(4, 5, 6))  # more than fits in one write: the first two never were held
+    assert shared.take_changes()[-2:] == [
+        CacheChange(EventKind.STORED, Tier.DISK, (5, 6)),
+        CacheChange(EventKind.REMOVED, Tier.DISK, (1, 3)),
+    ]
+    assert len(shared) == 2

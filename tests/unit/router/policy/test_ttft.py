@@ -86,6 +86,7 @@ def test_bulk_estimate_matches_the_term_by_term_one() -> None:
                 rng.choice([16, 100, 2048]),
                 100,
                 cpu_load_s_per_block=rng.choice([0.0, 0.002]),
+                shared_load_s_per_block=rng.choice([0.0, 0.0005, 0.5]),
                 kv_read_s_per_block=rng.choice([0.0, 1e-5]),
             )
             for _ in range(6)
@@ -116,9 +117,10 @@ def test_bulk_estimate_matches_the_term_by_term_one() -> None:
         shared = hit(gpu=rng.randrange(1, 30), cpu=rng.choice([0, 0, 2]))
         for i in rng.sample(range(6), rng.randrange(4)):
             hits[ReplicaId(f"r{i}")] = shared
-        bulk = tiny.estimate(req, replicas, hits, work_price=0.5)
+        shared_blocks = rng.choice([0, rng.randrange(40)])
+        bulk = tiny.estimate(req, replicas, hits, work_price=0.5, shared_blocks=shared_blocks)
         for i, replica in enumerate(replicas):
-            one = tiny.explain(req, replica, hits.get(replica.replica_id))
+            one = tiny.explain(req, replica, hits.get(replica.replica_id), shared_blocks)
             assert bulk.queue_wait_s[i] == pytest.approx(one.queue_wait_s)
             assert bulk.cost[i] == pytest.approx(one.cost(0.5, 1.0))
         backlogs = [
@@ -130,6 +132,21 @@ def test_bulk_estimate_matches_the_term_by_term_one() -> None:
             one = tiny.explain(req, replicas[index], held)
             assert uncached == one.uncached_tokens
             assert tiny.per_token_s(replicas[index]) == pytest.approx(one.steps.prefill_s_per_token)
+
+
+def test_a_replica_loads_from_the_shared_tier_what_it_does_not_hold() -> None:
+    fast = ReplicaCapacity(1000.0, 0.01, 100, 1000, shared_load_s_per_block=0.0005)
+    slow = ReplicaCapacity(1000.0, 0.01, 100, 1000, shared_load_s_per_block=0.01)
+    req = request(*range(10))  # 40 tokens; a block prefills in 4 ms
+    # The shared tier holds 8 blocks, the replica itself 3 in GPU memory: 5 come from the
+    # shared tier (0.5 ms each), 8 tokens are computed.
+    held = model().explain(req, snap("a", capacity=fast), hit(gpu=3), shared_blocks=8)
+    assert (held.uncached_tokens, held.load_s) == (8, pytest.approx(0.0025))
+    # Reading a block slower than computing it: the shared tier is not used.
+    plain = model().explain(req, snap("a", capacity=slow), hit(gpu=3), shared_blocks=8)
+    assert (plain.uncached_tokens, plain.load_s) == (28, 0.0)
+    # A replica that reports no shared-tier cost reads none.
+    assert model().explain(req, snap("a"), None, shared_blocks=8).uncached_tokens == 40
 
 
 def test_terms_kept_across_calls_follow_every_changed_snapshot() -> None:
