@@ -55,7 +55,10 @@ class PolicyReport:
     ttft_p50_s: float
     ttft_p99_s: float
     hit_rate: float
-    """From the replicas' own prefix-cache counters (cached / queried prompt tokens)."""
+    """From the replicas' own prefix-cache counters: prompt tokens served from any tier (the
+    engine's cache, and the CPU and disk tiers of our KV connector) / prompt tokens queried."""
+    tier_hit_rate: float
+    """Of ``hit_rate``, the part the lower tiers served (the connector's loads)."""
     usage_hit_rate: float
     """From the responses' usage.prompt_tokens_details.cached_tokens."""
     oracle_hit_rate: float
@@ -147,8 +150,9 @@ async def play(
         )
 
 
-def _counters(config: PrefixmeshConfig) -> dict[str, tuple[int, int]]:
-    """Each replica's prefix-cache counters, from its latest report as the router holds it
+def _counters(config: PrefixmeshConfig) -> dict[str, tuple[int, int, int]]:
+    """Each replica's prefix-cache counters (queried, engine hits, lower-tier hits, in prompt
+    tokens), from its latest report as the router holds it
     (the front deployment's ``replica_stats``: the Router's, or the proxy path's ingress);
     waits (60 s at most) until every replica has reported once."""
     from ray import serve
@@ -159,11 +163,14 @@ def _counters(config: PrefixmeshConfig) -> dict[str, tuple[int, int]]:
     handle = serve.get_deployment_handle(front, config.app_name)
     deadline = time.monotonic() + 60
     keys = ("prefix_cache_queries_tokens", "prefix_cache_hit_tokens")
+    external = "external_prefix_cache_hit_tokens"
     while True:
         stats = handle.replica_stats.remote().result(timeout_s=60)
         reported = [s for s in stats if all(k in s for k in keys)]
         if len(reported) >= config.replica.num_replicas or time.monotonic() > deadline:
-            return {s["replica_id"]: (s[keys[0]], s[keys[1]]) for s in reported}
+            return {
+                s["replica_id"]: (s[keys[0]], s[keys[1]], s.get(external, 0)) for s in reported
+            }
         time.sleep(0.25)
 
 
@@ -199,8 +206,10 @@ def bench_policy(
         serve.delete(config.app_name)
     ok = [o for o in outcomes if not o.error and o.ttft_s is not None]
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
-    queries = sum(after[r][0] - before.get(r, (0, 0))[0] for r in after)
-    hits = sum(after[r][1] - before.get(r, (0, 0))[1] for r in after)
+    queries, engine_hits, tier_hits = (
+        sum(after[r][i] - before.get(r, (0, 0, 0))[i] for r in after) for i in range(3)
+    )
+    hits = engine_hits + tier_hits
     per_replica: dict[str, int] = {}
     for o in ok:
         per_replica[o.replica] = per_replica.get(o.replica, 0) + 1
@@ -213,6 +222,7 @@ def bench_policy(
         ttft_p50_s=round(percentile(ttfts, 0.5), 4),
         ttft_p99_s=round(percentile(ttfts, 0.99), 4),
         hit_rate=round(hits / queries, 4) if queries else 0.0,
+        tier_hit_rate=round(tier_hits / queries, 4) if queries else 0.0,
         usage_hit_rate=round(
             sum(o.cached_tokens for o in ok) / max(1, sum(o.prompt_tokens for o in ok)), 4
         ),

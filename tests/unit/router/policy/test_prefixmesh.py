@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from uhashring import HashRing
 
-from prefixmesh.router.policy.base import Hold, RouteRequest
+from prefixmesh.cache_registry.types import SHARED_TIER
+from prefixmesh.router.policy.base import (
+    Hold,
+    RegistryView,
+    ReplicaCapacity,
+    RouteRequest,
+    registry_view,
+)
 from prefixmesh.router.policy.prefixmesh_policy import PrefixmeshPolicy
 from tests.unit.router.policy.builders import (
     CAPACITY,
@@ -266,3 +273,19 @@ def test_members_are_credited_only_with_what_the_group_s_prompts_share() -> None
         shared.route(earlier, replicas, view(group_rate=1.0, **history), 0.0)
     decision = shared.route(document[2], replicas, view(group_rate=1.0, **history), 0.0)
     assert str(decision.chosen) in members
+
+
+def test_the_shared_tier_lets_a_request_go_where_the_queue_is_short_and_skip_its_prefill() -> None:
+    reads = ReplicaCapacity(1000.0, 0.01, 100, 1000, shared_load_s_per_block=0.0002)
+    req = request(*range(1, 101))  # 400 tokens: 0.4 s to compute, 20 ms to load from the tier
+    busy = snap("busy", running=4, queued=1, pending=120, capacity=reads)
+    idle = snap("idle", capacity=reads)
+    holder = {rid("busy"): hit(gpu=100)}
+    # Without the shared tier, the holder's queue costs less than computing the prompt.
+    without = prefixmesh().route(req, [busy, idle], RegistryView(holder), 0.0)
+    assert chosen_ids(without.ranked)[0] == "busy"
+    # With it, the idle replica loads what it lacks and skips the queue.
+    shared = registry_view({**holder, SHARED_TIER: hit(disk=100)})
+    assert shared.shared_blocks == 100
+    decision = prefixmesh().route(req, [busy, idle], shared, 0.0)
+    assert chosen_ids(decision.ranked)[0] == "idle"
