@@ -168,9 +168,7 @@ def _counters(config: PrefixmeshConfig) -> dict[str, tuple[int, int, int]]:
         stats = handle.replica_stats.remote().result(timeout_s=60)
         reported = [s for s in stats if all(k in s for k in keys)]
         if len(reported) >= config.replica.num_replicas or time.monotonic() > deadline:
-            return {
-                s["replica_id"]: (s[keys[0]], s[keys[1]], s.get(external, 0)) for s in reported
-            }
+            return {s["replica_id"]: (s[keys[0]], s[keys[1]], s.get(external, 0)) for s in reported}
         time.sleep(0.25)
 
 
