@@ -48,6 +48,8 @@ from prefixmesh.wire.openai_render import (
     REPLICA_FAILED,
     REPLICA_HEADER,
     RETRIES_HEADER,
+    ROUTED_BY_HEADER,
+    UNROUTED,
     PromptEncoder,
     brief,
     check_model,
@@ -192,6 +194,7 @@ class ReplicaHTTPServer(ReplicaServer):
             REPLICA_HEADER: self.replica_id,
             RETRIES_HEADER: "1" if redispatched else "0",
             MATCHED_BLOCKS_HEADER: str(ticket.matched_blocks if ticket and not redispatched else 0),
+            ROUTED_BY_HEADER: ticket.reason if ticket is not None else UNROUTED,
         }
         request_id = generate.request_id
         if body.stream:

@@ -19,6 +19,11 @@ from prefixmesh.wire.openai_protocol import APIError, ChatCompletionRequest
 REPLICA_HEADER = "x-prefixmesh-replica"
 RETRIES_HEADER = "x-prefixmesh-retries"
 MATCHED_BLOCKS_HEADER = "x-prefixmesh-matched-blocks"
+ROUTED_BY_HEADER = "x-prefixmesh-routed-by"
+"""On the direct path: the router's reason for sending the request here (its ticket), or
+``unrouted`` for a request that reached the replica without a decision (HAProxy balancing on
+its own, or its fallback to Ray's Python proxy)."""
+UNROUTED = "unrouted"
 REPLICA_FAILED = "replica_failed"
 """The ``code`` of the error event that ends a stream whose replica failed mid-stream."""
 

@@ -116,6 +116,8 @@ class Outcome:
     """When the response's status arrived (a stream's with its first token); 0: never."""
     reason: str = ""
     """HAProxy's ``X-Serve-Reason`` on an answer of its own (its routing call failed)."""
+    routed_by: str = ""
+    """The replica's ``x-prefixmesh-routed-by``: our router's reason, or ``unrouted``."""
 
 
 @dataclass
@@ -203,6 +205,7 @@ def _read_headers(outcome: Outcome, response: httpx.Response, now_s: float) -> N
     outcome.replica = response.headers.get("x-prefixmesh-replica", "")
     outcome.retries = int(response.headers.get("x-prefixmesh-retries", 0))
     outcome.matched_blocks = int(response.headers.get("x-prefixmesh-matched-blocks", 0))
+    outcome.routed_by = response.headers.get("x-prefixmesh-routed-by", "")
 
 
 async def _read_stream(outcome: Outcome, lines: AsyncIterator[str]) -> None:
@@ -393,14 +396,13 @@ def test_slow_registry_falls_back_within_the_deadline(faulty: Faulty) -> None:
     write_report("slow_registry", summary)
     assert not run.failed(), run.failed()[:5]
     assert summary["stream_error_events"] == 0
-    # Without the deadline every decision would wait >= 50 ms for the registry. One may miss the
-    # bound on this 2-core machine (a scheduling stall, or a claim that by design waits up to half
-    # the prefill it saves): 32 of 33 within 50 ms was measured in a clean CI run. Most are far
-    # faster, but how many stay under 10 ms depends on the machine's load: 31 and 24 of 33 in two
-    # clean CI runs. Without the deadline none would.
-    assert decisions > 0 and decisions - within <= 1, summary
-    assert within_10ms / decisions >= 0.5, summary
-    assert summary["fallbacks_registry_timeout"] > 0, summary
+    # Without the deadline every decision would wait >= 50 ms for the registry; with it, each
+    # lookup ends at the deadline and the decision falls back to load balancing. That is
+    # counted, not timed: how long a decision takes on a loaded 2-core machine says nothing
+    # about the deadline (the timings stay in the report). One decision may have begun its
+    # lookup before the delay did.
+    assert decisions > 0, summary
+    assert summary["fallbacks_registry_timeout"] >= decisions - 1, summary
     assert recovery_s is not None and recovery_s <= 10, summary
 
 

@@ -1,5 +1,6 @@
 """Past one machine (issue 15): a head and two worker nodes, each its own raylet (``ray start``
-with its own ports, all on 127.0.0.1), as `ray up` would start them.
+with its own ports, each on its own loopback address: 127.0.0.2, .3, .4), as `ray up` would
+start them.
 
 The head runs Serve's front door (``serving.proxy_location=HeadOnly``: HAProxy and the router);
 the replicas need a custom resource only the workers offer (``replica.resources``), so Serve
@@ -42,6 +43,7 @@ from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import load_config
 from prefixmesh.local_ray import haproxy_environment, stop_haproxy
+from prefixmesh.wire.openai_render import UNROUTED
 from tests.e2e.test_faults import MODEL, LoadRun, wait_until, write_report
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
@@ -55,9 +57,22 @@ APP_SETTINGS = (
     f"replica.resources={{{WORKER_RESOURCE}: 1}}",
     "registry.backend=redis",
     "serving.proxy_location=HeadOnly",
+    # HAProxy on the head reaches each replica's own HTTP server at its node's address: Serve
+    # binds them all on ingress.host, so a cluster needs 0.0.0.0 (manifests/serve/gpu.yaml).
+    # On 127.0.0.1 the worker nodes' replicas are unreachable, HAProxy marks them down and
+    # sends everything through Ray's Python fallback proxy (which answers 500 when a replica
+    # dies). Every connection here still goes to a loopback address.
+    "ingress.host=0.0.0.0",
 )
 KILL_AT_S, DURATION_S = 4.0, 16.0
 START_WITHIN_S, REPLACED_WITHIN_S = 120.0, 120.0
+
+
+WORKER_PORTS = (range(10002, 13000), range(13000, 16500), range(16500, 20000))
+"""Each node's share of Ray's worker port range (head, worker 0, worker 1)."""
+HEAD_IP = "127.0.0.2"
+"""The head node's address (workers: 127.0.0.3, .4): loopback, but not 127.0.0.1 (see
+``two_nodes``)."""
 
 
 @dataclass
@@ -142,11 +157,18 @@ def _ray(*args: str) -> list[str]:
     return [str(Path(sys.executable).parent / "ray"), *args]
 
 
-def _start_node(name: str, args: list[str], env: dict[str, str], logs: Path) -> Node:
+def _start_node(
+    name: str, node_ip: str, workers: range, args: list[str], env: dict[str, str], logs: Path
+) -> Node:
+    """``ray start`` with every port it binds chosen here: nodes on one machine must not pick
+    the same one (Ray's own random choices collided when two started at once)."""
     port = free_port()
     command = _ray(
-        "start", "--block", "--node-ip-address=127.0.0.1", f"--node-manager-port={port}",
-        f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
+        "start", "--block", f"--node-ip-address={node_ip}", f"--node-manager-port={port}",
+        f"--object-manager-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
+        f"--min-worker-port={workers.start}", f"--max-worker-port={workers.stop - 1}",
         "--disable-usage-stats", *args,
     )  # fmt: skip
     with (logs / f"{name}.log").open("w") as out:
@@ -195,9 +217,6 @@ def two_nodes() -> Iterator[TwoNodes]:
     env |= haproxy_environment(serving, run_dir)
     env |= {
         "RAY_USAGE_STATS_ENABLED": "0",
-        # Ray on loopback only (DESIGN.md §7): without it a node may register on another
-        # address than --node-ip-address, and the workers cannot join the head.
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "PREFIXMESH_REDIS_URL": redis.url,
         "PREFIXMESH_REDIS_PASSWORD": password,
         # Token authentication, as a cluster people reach should run (Ray turns it on by
@@ -206,7 +225,11 @@ def two_nodes() -> Iterator[TwoNodes]:
         "RAY_AUTH_TOKEN": token,
     }
     auth = {"Authorization": f"Bearer {token}"}
-    head = _start_node("head", [
+    # Ray turns 127.0.0.1 (a node's, or the head's address a worker joins) into the machine's
+    # own network address (DESIGN.md §7); RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which stops
+    # that, also refuses to start worker nodes. Other loopback addresses Ray leaves as they
+    # are: each node gets one, and every listener and connection stays on loopback.
+    head = _start_node("head", HEAD_IP, WORKER_PORTS[0], [
         "--head", f"--port={gcs_port}", "--num-cpus=2", f"--temp-dir={temp_dir}",
         "--include-dashboard=true", "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dashboard_port}", f"--ray-client-server-port={free_port()}",
@@ -214,12 +237,14 @@ def two_nodes() -> Iterator[TwoNodes]:
     workers: list[Node] = []
     try:
         _wait_for_nodes(dashboard_url, auth, 1, START_WITHIN_S, logs)
-        worker_args = [f"--address=127.0.0.1:{gcs_port}", "--num-cpus=1",
+        worker_args = [f"--address={HEAD_IP}:{gcs_port}", "--num-cpus=1",
                        f"--resources={json.dumps({WORKER_RESOURCE: 2})}"]  # fmt: skip
-        workers += [_start_node(f"worker-{i}", worker_args, env, logs) for i in range(2)]
-        _wait_for_nodes(dashboard_url, auth, 3, START_WITHIN_S, logs)
+        for i in range(2):  # one after the other: a raylet's start is heavy on 2 cores
+            ip, ports = f"127.0.0.{3 + i}", WORKER_PORTS[1 + i]
+            workers.append(_start_node(f"worker-{i}", ip, ports, worker_args, env, logs))
+            _wait_for_nodes(dashboard_url, auth, 2 + i, START_WITHIN_S, logs)
         deploy = [sys.executable, "-m", "prefixmesh.cli", "serve", "--detach",
-                  f"--address=127.0.0.1:{gcs_port}", "--set", f"ingress.port={http_port}",
+                  f"--address={HEAD_IP}:{gcs_port}", "--set", f"ingress.port={http_port}",
                   "--set", f"cache_dir={Path('~/.cache/prefixmesh').expanduser()}"]  # fmt: skip
         deploy += [arg for setting in APP_SETTINGS for arg in ("--set", setting)]
         done = subprocess.run(
@@ -298,6 +323,12 @@ def test_a_worker_node_killed_under_load(two_nodes: TwoNodes) -> None:
     )
     write_report("worker_node_killed", summary)
     assert not run.failed(), run.failed()[:5]
+    # The direct path, not HAProxy's fallback: our router decided every request sent before
+    # the kill (after it, one whose routing call failed may be balanced by HAProxy alone).
+    before_kill = [o for o in run.outcomes if o.ok and o.answered_s < marks["killed_at_s"]]
+    assert before_kill and all(o.routed_by not in ("", UNROUTED) for o in before_kill), [
+        o for o in before_kill if o.routed_by in ("", UNROUTED)
+    ][:5]
     for outcome in run.outcomes:
         if outcome.stream_error or outcome.cut:  # only streams running on the dead node
             assert outcome.stream and outcome.replica == victim, outcome
