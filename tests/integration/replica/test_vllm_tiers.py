@@ -129,12 +129,13 @@ def test_evicted_prompts_come_back_from_the_lower_tiers_exactly(workdir: Path) -
                 assert set(residency.blocks(tier)) == set(told.blocks(tier)), tier
             assert residency.blocks(Tier.CPU) and residency.blocks(Tier.DISK)
             assert await engine.reset_prefix_cache()
+            await ask(engine, "after-reset", tuple(range(3, 19)))  # its step carries the events
             await asyncio.sleep(0.5)
             assert (EventKind.CLEARED, Tier.GPU) in {(c.kind, c.tier) for c in changes}
             assert (EventKind.CLEARED, None) not in {(c.kind, c.tier) for c in changes}
             after = engine.residency()
-            assert after.blocks(Tier.CPU) == residency.blocks(Tier.CPU)
-            assert after.blocks(Tier.DISK) == residency.blocks(Tier.DISK)
+            for tier in (Tier.CPU, Tier.DISK):
+                assert set(after.blocks(tier)) == set(residency.blocks(tier)), tier
         finally:
             await engine.shutdown()
         return reference, changes, external
