@@ -642,8 +642,12 @@ class KVCacheConfig(_Section):
     """The replicas' hierarchical prefix cache: which policy manages the tiers, and its
     parameters (paper defaults where the paper gives one)."""
 
-    policy: Literal["lru", "lfu", "hotprefix", "workload"] = "hotprefix"
-    """Eviction / admission / promotion policy of every tier."""
+    policy: Literal["lru", "lfu", "hotprefix", "workload"] = "lru"
+    """Eviction / admission / promotion policy of every tier. LRU by default: no other policy
+    beats it on the Mooncake trace or the synthetic workloads (docs/BENCHMARKS.md, issue 18),
+    and HotPrefix at its defaults admits a block only after 10 uses, so behind the router (a
+    group of prompts reused a few times each) the tiers served 2.4% of prompt tokens with it and
+    35% with LRU (issue 16's serving-bench)."""
     hotprefix: HotPrefixConfig = HotPrefixConfig()
     """Settings of the ``hotprefix`` policy."""
     workload: WorkloadAwareConfig = WorkloadAwareConfig()
