@@ -14,6 +14,13 @@ Holds (delay-hit deferral): a request submitted with a ``Hold`` is not admitted 
 request on this engine is prefilling any of its first ``hold.num_blocks`` blocks, until they are
 stored or ``hold.max_wait_s`` has passed; it keeps its place in the queue meanwhile, others pass it.
 
+Loads from the lower tiers (a CPU tier, the cluster's shared tier) run beside the batch, as the
+KV connector runs them (Strata's rule, ``kvcache.async_loads``): an admitted request whose hit
+needs a load waits outside the batch until its load is done, one load after the other per
+replica, and joins the batch at the next step boundary after it; the other requests' steps
+never wait for a load. (``profile.async_loads`` False: the step that admits it takes the load's
+time too, as loads inside the step did.)
+
 Speed: a pure-decode stretch runs as one macro step up to the next finish (finishes come from a
 heap over a global decode counter, so no running request is touched per step); an arrival or an
 abort cuts the stretch at the end of the step in progress. Time only moves forward.
@@ -134,6 +141,7 @@ class _Request:
         "num_hit",
         "pins",
         "private_blocks",
+        "ready_s",
         "record",
         "reserved_blocks",
         "spec",
@@ -156,6 +164,7 @@ class _Request:
         self.reserved_blocks = 0
         self.context = 0  # tokens of KV it attends to while decoding
         self.decode_start = 0  # global decode counter when it started decoding
+        self.ready_s = -math.inf  # when its lower-tier blocks are loaded (async loads)
 
 
 @dataclass(slots=True)
@@ -213,6 +222,11 @@ class EngineModel:
         self._kv_read_s = profile.kv_read_s_per_ctx_token * inverse
         self._load_s = profile.cpu_load_s_per_block * inverse
         self._shared_load_s = profile.shared_load_s_per_block * inverse
+        self._async_loads = profile.async_loads
+        self._link_free_s = -math.inf
+        """When the loads handed to the loader so far are done (they run one at a time)."""
+        self._ready: list[float] = []
+        """Heap of the times loading requests become ready."""
         self._waiting: deque[_Request] = deque()
         self._held: list[_Request] = []
         self._prefilling: list[_Request] = []
@@ -276,8 +290,11 @@ class EngineModel:
         return True
 
     def next_event_s(self) -> float | None:
-        """When the step in progress ends (None when idle)."""
-        return None if self._stretch is None else self._stretch.end_s
+        """When the step in progress ends or a load finishes (None when idle)."""
+        end_s = math.inf if self._stretch is None else self._stretch.end_s
+        if self._ready and self._ready[0] < end_s:
+            return self._ready[0]
+        return None if end_s == math.inf else end_s
 
     def advance(self, now_s: float) -> list[EngineEvent]:
         """Run every step that ends by ``now_s``; what happened, oldest first."""
@@ -321,10 +338,17 @@ class EngineModel:
         if now_s < self._clock_s:
             raise ValueError(f"time went backwards: {now_s} < {self._clock_s}")
         self._clock_s = now_s
-        while self._stretch is not None and self._stretch.end_s <= now_s:
+        ready = self._ready
+        while True:
             stretch = self._stretch
-            self._complete(stretch)
-            self._start(stretch.end_s)
+            end_s = math.inf if stretch is None else stretch.end_s
+            if ready and ready[0] < end_s and ready[0] <= now_s:
+                self._wake(heapq.heappop(ready))  # a load is done: it joins at the next step
+            elif stretch is not None and end_s <= now_s:
+                self._complete(stretch)
+                self._start(end_s)
+            else:
+                return
 
     def _wake(self, now_s: float) -> None:
         """Something new is queued: start now if idle, else end a decode stretch early."""
@@ -352,6 +376,8 @@ class EngineModel:
         for req in self._prefilling:
             if budget <= 0:
                 break
+            if req.ready_s > now_s:
+                continue  # its blocks are still loading
             n = min(req.spec.prompt_tokens - req.num_computed, budget)
             chunks.append((req, n))
             budget -= n
@@ -372,6 +398,10 @@ class EngineModel:
             if loaded < 0:
                 break  # head-of-line: the oldest request waits for blocks
             waiting.popleft()
+            if loaded > 0 and self._async_loads:
+                req.ready_s = self._link_free_s = max(now_s, self._link_free_s) + loaded
+                heapq.heappush(self._ready, req.ready_s)
+                continue
             load_s += loaded
             n = min(req.spec.prompt_tokens - req.num_computed, budget)
             chunks.append((req, n))

@@ -7,8 +7,9 @@ One engine step (one forward pass of a continuous-batching engine) takes
                                                  + n * (c + n / 2) * attn_s_per_token_ctx
                        + decodes * decode_s_per_token
                        + decode context tokens * kv_read_s_per_ctx_token
-                       + blocks loaded from the CPU tier * cpu_load_s_per_block
-                       + blocks loaded from the shared tier * shared_load_s_per_block)
+                       [+ blocks loaded from the CPU tier * cpu_load_s_per_block
+                        + blocks loaded from the shared tier * shared_load_s_per_block,
+                        when loads run inside the step: not ``async_loads``])
                       / tp_speedup
 
 where a prefill chunk of n tokens starts at context c (n * (c + n/2) query-key pairs under a
@@ -56,6 +57,9 @@ class EngineProfile:
     """Time to bring one block from the cluster's shared tier (its bandwidth to this replica)."""
     tp_efficiency: float = 0.85
     """A TP-t replica runs GPU work t * tp_efficiency times as fast as tp=1 (t > 1)."""
+    async_loads: bool = True
+    """Loads from the lower tiers run beside the batch (the KV connector's default); False:
+    inside the step that admits the request, which then takes their time too."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.kv_blocks <= 0:

@@ -255,7 +255,7 @@ def test_tensor_parallel_replica_is_faster_and_holds_more() -> None:
 
 
 def test_cpu_hits_load_back_within_the_step() -> None:
-    profile = replace(TINY, kv_blocks=4, cpu_blocks=8, cpu_load_s_per_block=0.25)
+    profile = replace(TINY, kv_blocks=4, cpu_blocks=8, cpu_load_s_per_block=0.25, async_loads=False)
     engine = EngineModel(profile)
     engine.submit(request("a", (1, 2), prompt=8, output=1), 0.0)
     engine.submit(request("b", (5, 6), prompt=8, output=1), 0.0)  # evicts a's block 2
@@ -264,6 +264,31 @@ def test_cpu_hits_load_back_within_the_step() -> None:
     done = records(drain(engine))
     assert (done["c"].cached_tokens, done["c"].cpu_cached_tokens) == (8, 4)
     assert done["c"].first_token_s == 10.0 + 1.0 + 0.125 + 0.25
+
+
+def test_loads_beside_the_batch_do_not_slow_the_running_requests() -> None:
+    """The loading request waits outside the batch; a request decoding meanwhile finishes
+    exactly as much earlier as the load lasts, against loads inside the step."""
+
+    def run(async_loads: bool) -> dict[str, RequestRecord]:
+        profile = replace(
+            TINY, kv_blocks=6, cpu_blocks=8, cpu_load_s_per_block=0.25, async_loads=async_loads
+        )
+        engine = EngineModel(profile)
+        engine.submit(request("a", (1, 2), prompt=8, output=1), 0.0)
+        engine.submit(request("b", (5, 6), prompt=8, output=1), 0.0)
+        events = drain(engine)
+        engine.submit(request("d", (), prompt=3, output=9), 10.0)  # a's block 2 goes to CPU
+        events += drain(engine, 12.0)
+        engine.submit(request("c", (1, 2), prompt=9, output=1), 12.0)
+        return records(events + drain(engine))
+
+    beside, inside = run(True), run(False)
+    assert beside["c"].cpu_cached_tokens == inside["c"].cpu_cached_tokens > 0
+    loaded = beside["c"].cpu_cached_tokens // 4 * 0.25
+    assert inside["d"].finish_s - beside["d"].finish_s == pytest.approx(loaded)
+    # c itself joins the batch only once its blocks are in.
+    assert beside["c"].first_token_s >= beside["c"].admitted_s + loaded + 1.0
 
 
 def test_misuse_is_refused() -> None:
