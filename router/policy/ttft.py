@@ -212,7 +212,7 @@ class TtftModel:
                 saved_blocks += disk * self.disk_fallback_credit
         return saved_blocks * self.block_size, load_s
 
-    def shared_tokens(self, capacity: ReplicaCapacity) -> bool:
+    def reads_shared_tier(self, capacity: ReplicaCapacity) -> bool:
         """Whether the replica loads the cluster's shared tier rather than computing what it
         holds: it reads it (a load cost it reported) faster than it prefills a block."""
         per_block = capacity.shared_load_s_per_block
@@ -225,7 +225,7 @@ class TtftModel:
         """(tokens left to compute, seconds of shared-tier loads) for a replica that would
         compute ``uncached`` tokens on its own, when the shared tier holds the prompt's first
         ``shared_blocks`` blocks: the blocks past its own hit come from there."""
-        if shared_blocks <= 0 or not self.shared_tokens(capacity):
+        if shared_blocks <= 0 or not self.reads_shared_tier(capacity):
             return uncached, 0.0
         prompt = request.prompt_tokens if request.prompt_tokens > 0 else 0
         blocks = min(shared_blocks, len(request.key.block_hashes))
@@ -315,7 +315,7 @@ class TtftModel:
         paid for). The holders list keeps what the registry said.
 
         ``shared_blocks``: the cluster's shared tier holds the prompt's first blocks; every
-        replica that reads it (``shared_tokens``) is estimated loading from there what it does
+        replica that reads it (``reads_shared_tier``) is estimated loading from there what it does
         not hold itself (``with_shared``).
 
         What does not depend on the request (a replica's step times, queue wait, backlog) is
