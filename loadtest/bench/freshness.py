@@ -30,7 +30,7 @@ from prefixmesh.cache_registry.redis_registry import RedisRegistry
 from prefixmesh.cache_registry.redis_server import LocalRedisServer
 from prefixmesh.cache_registry.types import EventKind, PrefixKey, ReplicaId, Tier
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.replica.engines.base import BlockChange
+from prefixmesh.replica.engines.base import BlockChange, Residency
 from prefixmesh.replica.publisher import EventPublisher
 
 _NAMESPACE = "freshness"
@@ -117,7 +117,7 @@ async def _one_replica(
     publisher = EventPublisher(
         _replica_id(replica),
         registry,
-        lambda: tuple(block for key in held for block in key.block_hashes),
+        lambda: Residency.of({Tier.GPU: [b for key in held for b in key.block_hashes]}),
         interval_s=plan.publish_interval_s,
         liveness=registry,
     )

@@ -15,7 +15,7 @@ from prefixmesh.cache_registry.redis_registry import RedisRegistry
 from prefixmesh.cache_registry.redis_server import LocalRedisServer
 from prefixmesh.cache_registry.types import EventKind, ReplicaId, Tier
 from prefixmesh.config import RegistryConfig
-from prefixmesh.replica.engines.base import BlockChange
+from prefixmesh.replica.engines.base import BlockChange, Residency
 from prefixmesh.replica.publisher import EventPublisher
 from tests.integration.cache_registry.conftest import HASHER
 
@@ -55,7 +55,7 @@ async def replica(
     publisher = EventPublisher(
         ReplicaId(name),
         registry,
-        lambda: blocks,  # type: ignore[arg-type,return-value]
+        lambda: Residency.of({Tier.GPU: blocks}),  # type: ignore[dict-item]
         heartbeat_s=kwargs.get("heartbeat_s", DEFAULTS.heartbeat_interval_s),
         liveness=registry,
         reap_interval_s=kwargs.get("reap_interval_s", DEFAULTS.reap_interval_s),

@@ -13,7 +13,7 @@ from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.cache_registry.memory import InMemoryRegistry
 from prefixmesh.cache_registry.types import EventKind, ReplicaId, Tier
 from prefixmesh.replica.deployment import ReplicaServer
-from prefixmesh.replica.engines.base import BlockChange, EngineLoad
+from prefixmesh.replica.engines.base import BlockChange, EngineLoad, Residency
 from prefixmesh.replica.engines.remote_engine import (
     RemoteEngine,
     RemoteEngineSettings,
@@ -120,7 +120,9 @@ async def test_shutdown_drops_the_replica_from_a_shared_registry() -> None:
     engine = _Engine(healthy=True)
     server = _server(engine)
     server._registry = registry
-    server.publisher = EventPublisher(R, registry, lambda: KEY.block_hashes, liveness=registry)
+    server.publisher = EventPublisher(
+        R, registry, lambda: Residency.of({Tier.GPU: KEY.block_hashes}), liveness=registry
+    )
     server.publisher.start()
     server.publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, KEY.block_hashes)])
     await server.shutdown()  # the final flush delivers the change, then the drop removes it

@@ -254,7 +254,7 @@ async def test_reaps_silent_replicas_once_in_contact_for_dead_after_s() -> None:
     publisher = EventPublisher(
         R,
         target,
-        lambda: (),
+        Residency,
         heartbeat_s=0.05,
         liveness=target,
         reap_interval_s=0.05,
@@ -276,7 +276,7 @@ async def test_reaps_silent_replicas_once_in_contact_for_dead_after_s() -> None:
 
 async def test_without_a_reap_interval_nothing_is_reaped() -> None:
     target = LiveTarget()
-    publisher = EventPublisher(R, target, lambda: (), heartbeat_s=0.02, liveness=target)
+    publisher = EventPublisher(R, target, Residency, heartbeat_s=0.02, liveness=target)
     publisher.start()
     try:
         await eventually(lambda: len(target.heartbeats) >= 3)
