@@ -58,7 +58,10 @@ async def test_simultaneous_siblings_elect_one_computer(cluster: Cluster) -> Non
         if any(holds):
             assert holds.count(True) == 1, (first, second)
             held = first if holds[0] else second
-            assert held.reason == CLAIM_REASON
+            # Usually the claim converts it; on a loaded machine one router's speculative entry
+            # can land before the other's lookup, and the policy's own hold ("hold") elects the
+            # computer instead. Either way exactly one of the pair computes the prefix.
+            assert held.reason in (CLAIM_REASON, "hold"), held
             converted += 1
         assert first.claim is not None or second.claim is not None
         for router, request in ((a, one), (b, two)):
