@@ -7,8 +7,8 @@ up to a report period old: it still counts requests that have finished since, wh
 prefixes away from their replicas (hit rate 87.7% against the proxy path's 94.1% in
 ``prefixmesh compare``), and a claim was released when the request arrived rather than when its
 prefix was stored. The router applies these to its ledger (``LoadLedger.first_token`` and
-``finished``); a batch that cannot be delivered is dropped, and the ledger's expiry ends the
-entries it would have ended.
+``finished``); a batch that cannot be delivered goes back ahead of newer notes and is sent
+again with the next one (a router's ledger ends entries only here, or by expiry 600 s later).
 """
 
 from __future__ import annotations
@@ -50,8 +50,15 @@ class ProgressReporter:
     @staticmethod
     def _note(notes: list[str], request_id: str) -> None:
         notes.append(request_id)
-        if len(notes) > MAX_PENDING:
-            del notes[: len(notes) - MAX_PENDING]
+        _bound(notes)
+
+    def _put_back(self, progress: RequestProgress) -> None:
+        """An undelivered batch, ahead of what was noted since (the oldest go first when
+        the bound is reached)."""
+        self._first_tokens = [*progress.first_tokens, *self._first_tokens]
+        self._finished = [*progress.finished, *self._finished]
+        _bound(self._first_tokens)
+        _bound(self._finished)
 
     def take(self) -> RequestProgress | None:
         """What has accumulated since the last batch (None: nothing)."""
@@ -67,7 +74,8 @@ class ProgressReporter:
             return
         try:
             await self._target.request_progress(progress)
-        except Exception as exc:  # the router restarting: its ledger expires what this ended
+        except Exception as exc:  # the router restarting or overloaded: sent again next time
+            self._put_back(progress)
             logger.warning("router unreachable for request progress: %s", exc)
 
     def start(self) -> None:
@@ -85,3 +93,8 @@ class ProgressReporter:
                 await self._task
             self._task = None
         await self.flush()
+
+
+def _bound(notes: list[str]) -> None:
+    if len(notes) > MAX_PENDING:
+        del notes[: len(notes) - MAX_PENDING]

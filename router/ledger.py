@@ -89,6 +89,16 @@ class LoadLedger:
         self._requests[request_id] = _Routed(replica, prefill_tokens, claim=claim, routed_s=now_s)
         return old is None
 
+    def moved(self, request_id: str, replica: ReplicaId) -> bool:
+        """A request decided for one replica went to ``replica`` instead (the router cut its
+        decision short): its load moves, its claim is released. False: no such entry."""
+        routed = self._requests.get(request_id)
+        if routed is None:
+            return False
+        self._release(routed)
+        routed.replica = replica
+        return True
+
     def seen(self, request_ids: Iterable[str], by: ReplicaId | None = None) -> int:
         """Requests replica ``by`` reported as arrived (queued, running or finished there):
         their load is in its report now. Its entries routed ``OVERTAKEN_S`` before the newest

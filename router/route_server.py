@@ -42,7 +42,7 @@ from prefixmesh.cache_registry.factory import (
     make_memory_state,
     make_registry_probe,
 )
-from prefixmesh.cache_registry.types import CacheEvent, PublishResult
+from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.router.local_state import local_state
 from prefixmesh.router.registry_watch import RegistryWatch
@@ -62,6 +62,8 @@ from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 
 logger = logging.getLogger(__name__)
 api = install_error_handlers(FastAPI(title="prefixmesh router", docs_url=None, redoc_url=None))
+FALLBACK_REASON = "fallback"
+"""A ticket's reason when the router balanced a request whose decision it cut short."""
 TRUNCATED_HEADER = "x-body-truncated"
 """HAProxy's mark on a body longer than it buffers for the router."""
 _CHAT_KEYS = (b'"messages"',)
@@ -109,7 +111,7 @@ class RouterServer:
             self._local.metrics.fell_back(reason)
             trace.fell_back(reason, exc)
             async with asyncio.timeout(self._budget_s):
-                return await self._choose(None, arrived_ns, trace)
+                return await self._choose(None, arrived_ns, trace, abandoned=generate, why=reason)
         finally:
             trace.end()
 
@@ -144,7 +146,12 @@ class RouterServer:
         generate: GenerateRequest | None,
         arrived_ns: int,
         trace: NoRouterTrace = NO_ROUTER_TRACE,
+        *,
+        abandoned: GenerateRequest | None = None,
+        why: str = "",
     ) -> Response:
+        """The replica for ``generate`` (None: a load-balanced pick). ``abandoned``: a request
+        whose decision was cut short by ``why`` (the deadline, an error) and is balanced now."""
         target: Any = generate if generate is not None else LoadBalanced()
         async with self._replicas.choose_replica(target, _reserve=False) as selection:
             replica = selection._replica
@@ -153,7 +160,23 @@ class RouterServer:
         trace.chose(unique_id, generate)
         if generate is None:
             self.fallbacks += 1
-            return JSONResponse({"replica_id": full_id})
+            if abandoned is None:
+                return JSONResponse({"replica_id": full_id})
+            # The cut-short decision may be in the ledger already: the request keeps its id,
+            # so the replica that serves it ends that entry (else it counted for 600 s), and
+            # the entry (with any claim) leaves the replica that will not compute it.
+            with self._local.lock:
+                self._local.ledger.moved(abandoned.request_id, ReplicaId(unique_id))
+            ticket = RouteTicket(
+                request_id=abandoned.request_id,
+                replica_id=unique_id,
+                reason=f"{FALLBACK_REASON}_{why}",
+                matched_blocks=0,
+                key_digest=key_digest(abandoned.key),
+                arrived_ns=arrived_ns,
+                trace_context=abandoned.trace_context,
+            )
+            return JSONResponse({"replica_id": full_id, "request_headers": ticket.headers()})
         self.routed += 1
         ticket = RouteTicket(
             request_id=generate.request_id,

@@ -66,6 +66,17 @@ def test_a_claim_follows_a_retried_decision() -> None:
     ledger.forget_replica(B)
 
 
+def test_a_decision_cut_short_moves_its_load_and_releases_its_claim() -> None:
+    released: list[tuple[int, str]] = []
+    ledger = LoadLedger(lambda prefix, replica: released.append((prefix, replica)))
+    ledger.routed("r1", A, 300, claim=BlockHash(7))
+    assert ledger.moved("r1", B)
+    assert ledger.load() == {B: LedgerLoad(1, 0, 300)} and released == [(7, A)]
+    ledger.finished("r1")  # the replica that served it ends it
+    assert len(ledger) == 0 and released == [(7, A)]
+    assert not ledger.moved("r1", A)
+
+
 def test_requests_a_replica_reported_leave_the_ledger_with_their_claims() -> None:
     released: list[tuple[BlockHash, ReplicaId]] = []
     ledger = LoadLedger(lambda claim, replica: released.append((claim, replica)))

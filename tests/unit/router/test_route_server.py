@@ -11,8 +11,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from prefixmesh.cache_registry.hashing import BlockHasher
+from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.router.ledger import LedgerLoad
+from prefixmesh.router.local_state import LocalRouterState
 from prefixmesh.router.route_server import RouterServer
-from prefixmesh.wire import GenerateRequest, HoldInstruction, SamplingSettings
+from prefixmesh.wire import GenerateRequest, HoldInstruction, LoadBalanced, SamplingSettings
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 
 KEY = BlockHasher(4, "m").hash_tokens(list(range(10)))
@@ -29,6 +32,7 @@ class _Replicas:
     @contextlib.asynccontextmanager
     async def choose_replica(self, target: Any, _reserve: bool = True) -> AsyncIterator[Any]:
         assert _reserve is False
+        self.target = target
         if isinstance(target, GenerateRequest):
             target.hold = HoldInstruction(2, 0.25)
             target.routed_by, target.routed_to, target.matched_blocks = "hold", self.routed_to, 2
@@ -61,3 +65,32 @@ async def test_a_hold_decided_for_another_replica_is_not_sent() -> None:
     # Serve took another replica than the one the decision chose.
     _, ticket = await answer("r2", "r1")
     assert ticket is not None and ticket.replica_id == "r2" and ticket.hold is None
+
+
+async def test_a_decision_cut_short_keeps_the_request_s_id_for_the_replica_to_end() -> None:
+    """The deadline struck after the decision was recorded: the balanced pick carries the
+    request's id, so the replica that serves it ends the ledger entry (regression: the entry
+    counted for 600 s and test_direct_path's ledger never emptied), and the entry moves to it."""
+    local = LocalRouterState(registry=None)  # type: ignore[arg-type]
+    local.ledger.routed("cmpl-1", ReplicaId("r1"), 10, now_s=0.0)
+    replicas = _Replicas("r2", "")
+    router = SimpleNamespace(_replicas=replicas, _local=local, routed=0, fallbacks=0)
+    cut_short = GenerateRequest("cmpl-1", tuple(range(10)), KEY, SamplingSettings(4))
+    response = await RouterServer._choose(router, None, 7, abandoned=cut_short, why="timeout")
+    body = json.loads(response.body)
+    ticket = RouteTicket.from_headers(body["request_headers"])
+    assert isinstance(replicas.target, LoadBalanced) and router.fallbacks == 1
+    assert ticket is not None
+    assert (ticket.request_id, ticket.replica_id, ticket.reason) == (
+        "cmpl-1",
+        "r2",
+        "fallback_timeout",
+    )
+    assert (ticket.matched_blocks, ticket.hold, ticket.key_digest) == (0, None, key_digest(KEY))
+    assert local.ledger.load() == {ReplicaId("r2"): LedgerLoad(1, 0, 10)}
+
+
+async def test_a_request_never_decided_is_balanced_without_a_ticket() -> None:
+    router = SimpleNamespace(_replicas=_Replicas("r2", ""), routed=0, fallbacks=0)
+    response = await RouterServer._choose(router, None, 7)
+    assert json.loads(response.body) == {"replica_id": "SERVE_REPLICA::app#r#r2"}
