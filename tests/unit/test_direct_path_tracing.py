@@ -57,8 +57,8 @@ class _Router(SimpleNamespace):
             "cmpl-1", tuple(range(10)), KEY, SamplingSettings(4), trace_context=trace_context
         )
 
-    async def _choose(self, *args: Any) -> Any:
-        return await RouterServer._choose(self, *args)
+    async def _choose(self, *args: Any, **kwargs: Any) -> Any:
+        return await RouterServer._choose(self, *args, **kwargs)
 
 
 class _HTTPRequest:
