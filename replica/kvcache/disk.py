@@ -6,6 +6,12 @@ onto the final name, so a reader sees an old complete file or a new complete one
 a crash can leave a ``.tmp`` or a torn file, and either is a miss (and deleted), never wrong KV.
 Blocks whose write or removal is still queued are answered from memory, so the caller never
 waits for the disk on ``put`` and never reads a file its own earlier ``put`` has not finished.
+
+Several processes may share one folder (the cluster's shared tier, ``shared.py``): each writer
+names its temporary files after its process and thread, so two writers of one block each
+rename a whole file of their own and the last rename wins; ``write_once`` skips a block whose
+file exists already, and ``touch_on_read`` marks a file used (its mtime), which is what the
+shared tier's eviction orders by.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import torch
 import xxhash
 
 from prefixmesh.cache_registry.types import BlockHash
+from prefixmesh.replica.kvcache.folders import SUFFIX as _SUFFIX
+from prefixmesh.replica.kvcache.folders import TMP_SUFFIX as _TMP_SUFFIX
+from prefixmesh.replica.kvcache.folders import DiskEntry, block_path
 
 logger = logging.getLogger(__name__)
 
@@ -34,18 +43,6 @@ MAGIC = b"PMKV"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sHQQQH")
 """magic, version, block hash, payload length, payload xxhash64, layout tag length (bytes)."""
-_SUFFIX = ".kv"
-_TMP_SUFFIX = ".tmp"
-
-
-def block_path(directory: Path, block: BlockHash) -> Path:
-    return directory / f"{block:016x}{_SUFFIX}"
-
-
-@dataclass(frozen=True, slots=True)
-class DiskEntry:
-    block: BlockHash
-    mtime: float
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -122,13 +119,23 @@ class DiskTier:
     """Blocks as files in ``directory``; ``put`` and ``remove`` run on one writer thread, in
     the order they were called, and ``get`` on the caller's thread."""
 
-    def __init__(self, directory: Path, layout_tag: str, page_bytes: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        layout_tag: str,
+        page_bytes: int,
+        *,
+        write_once: bool = False,
+        touch_on_read: bool = False,
+    ) -> None:
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         self.directory = Path(directory)
         self.layout_tag = layout_tag
         self.page_bytes = page_bytes
         self._tag = _encode_tag(layout_tag)
+        self._write_once = write_once
+        self._touch_on_read = touch_on_read
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -227,6 +234,9 @@ class DiskTier:
             fine = self._read_file(f, st.st_size, block, row)
         if not fine and inode is not None:
             _unlink_if_same(path, inode)
+        elif fine and self._touch_on_read:
+            with contextlib.suppress(OSError):  # evicted meanwhile: the read was whole
+                os.utime(path)
         return fine
 
     def _read_file(self, f: io.FileIO, size: int, block: BlockHash, row: torch.Tensor) -> bool:
@@ -271,6 +281,8 @@ class DiskTier:
                 except OSError as e:
                     logger.warning("disk tier: cannot remove %s: %s", path, e)
                 continue
+            if self._write_once and path.exists():
+                continue  # another writer of the shared folder stored it first
             try:
                 self._write(path, block, job.pages[row].numpy())
             except OSError as e:
@@ -278,7 +290,8 @@ class DiskTier:
                 logger.warning("disk tier: cannot write %s: %s", path, e)
 
     def _write(self, path: Path, block: BlockHash, page: npt.NDArray[np.uint8]) -> None:
-        tmp = path.with_name(path.name + _TMP_SUFFIX)
+        # Named after this writer: another process writing the same block never shares it.
+        tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_native_id()}{_TMP_SUFFIX}")
         checksum = xxhash.xxh64_intdigest(page.data)
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, block, page.size, checksum, len(self._tag))
         try:

@@ -19,17 +19,24 @@ request waits outside the batch while a loader runs its ``RequestLoad`` beside t
 steps, and joins once the worker reports it done (``load_finished``). Its blocks stay pinned
 until then, and the loads still queued count against the next request's: a load that would
 wait behind them longer than recomputing takes is not made (``match``).
+
+With a shared tier (a folder every replica shares, ``shared.py``) the planner also loads blocks
+that other replicas wrote there (``shared_view``: the folder's latest listing) when this
+replica's own tiers do not hold them, and writes each block it computes there once. The shared
+tier is the cluster's, not this replica's policy's: nothing here evicts from it or pins it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
 from prefixmesh.replica.kvcache.policy.base import BlockRef, CachePolicy
 
 LOWER_TIERS: tuple[Tier, ...] = (Tier.CPU, Tier.DISK)
+MAX_SHARING = 65_536
+"""Shared-folder writes remembered until the listing shows them (then forgotten wholesale)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +46,8 @@ class LoadJob:
     block: BlockHash
     tier: Tier
     engine_block: int
+    shared: bool = False
+    """From the cluster's shared folder (``tier`` is then DISK), not this replica's own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +74,16 @@ class DropJob:
     tier: Tier
 
 
-Job = StoreJob | MoveJob | DropJob
+@dataclass(frozen=True, slots=True)
+class ShareJob:
+    """Write engine block ``engine_block`` (computed by now) to the shared folder as ``block``,
+    unless another replica did first."""
+
+    block: BlockHash
+    engine_block: int
+
+
+Job = StoreJob | MoveJob | DropJob | ShareJob
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +125,16 @@ class LoadCosts:
     page_bytes: int
     prefill_tokens_per_s: float
     read_bytes_per_s: dict[Tier, float]
+    shared_read_bytes_per_s: float = 1.0
+    """The shared folder's read rate (measured where there is one)."""
 
-    def saving_s(self, tier: Tier) -> float:
+    def saving_s(self, tier: Tier, shared: bool = False) -> float:
         """Recompute time minus load time of one block from ``tier`` (> 0: load it)."""
-        return self.block_tokens / self.prefill_tokens_per_s - self.load_s(tier)
+        return self.block_tokens / self.prefill_tokens_per_s - self.load_s(tier, shared)
 
-    def load_s(self, tier: Tier) -> float:
-        return self.page_bytes / self.read_bytes_per_s[tier]
+    def load_s(self, tier: Tier, shared: bool = False) -> float:
+        rate = self.shared_read_bytes_per_s if shared else self.read_bytes_per_s[tier]
+        return self.page_bytes / rate
 
 
 @dataclass(slots=True)
@@ -129,11 +150,20 @@ class _Counters:
     (their read, or the wait behind the loads queued before them)."""
     async_loads: int = 0
     """Requests whose blocks were loaded beside the engine's steps."""
+    shared_loads: int = 0
+    """Blocks loaded from the shared folder (another replica computed them)."""
+    shares: int = 0
+    """Blocks this replica wrote to the shared folder (or found there first by another)."""
 
 
 class TierPlanner:
     def __init__(
-        self, policy: CachePolicy, capacity_blocks: dict[Tier, int], costs: LoadCosts
+        self,
+        policy: CachePolicy,
+        capacity_blocks: dict[Tier, int],
+        costs: LoadCosts,
+        *,
+        share: bool = False,
     ) -> None:
         self.policy = policy
         self.capacity = {t: max(0, int(capacity_blocks.get(t, 0))) for t in LOWER_TIERS}
@@ -150,6 +180,10 @@ class TierPlanner:
         self._loads: list[LoadJob] = []
         self._jobs: list[Job] = []
         self._changes: list[TierChange] = []
+        self._share = share
+        self._shared: Collection[BlockHash] = frozenset()
+        self._sharing: set[BlockHash] = set()
+        """Blocks this replica queued for the shared folder that its listing has not shown."""
         self.counters = _Counters()
 
     # ---- state ---------------------------------------------------------------------------------
@@ -167,6 +201,14 @@ class TierPlanner:
         """The engine's prefill rate as measured now (``PrefillRateMeter``): what a load is
         weighed against from here on."""
         self.costs = replace(self.costs, prefill_tokens_per_s=tokens_per_s)
+
+    def shared_view(self, blocks: Collection[BlockHash]) -> None:
+        """The shared folder's latest listing (a snapshot the caller never changes)."""
+        self._shared = blocks
+        if self._sharing:
+            self._sharing.difference_update(blocks)
+            if len(self._sharing) > MAX_SHARING:  # writes that never landed (a full disk)
+                self._sharing.clear()
 
     def restore(self, tier: Tier, blocks: Iterable[BlockHash]) -> None:
         """Blocks a tier already holds at start (the disk index, oldest first); past the
@@ -210,45 +252,59 @@ class TierPlanner:
         saved = 0.0
         best_saved = self._backlog_s
         for block in blocks[start:limit]:
-            tier = self._tier.get(block)
-            if tier is None:
+            source = self._source(block)
+            if source is None:
                 break
             run += 1
-            saved += self.costs.saving_s(tier)
+            saved += self.costs.saving_s(*source)
             if saved > best_saved:
                 best, best_saved = run, saved
         if run > best:
             self.counters.loads_declined += run - best
         return best
 
+    def _source(self, block: BlockHash) -> tuple[Tier, bool] | None:
+        """Where a load of ``block`` reads from: this replica's tier, else the shared folder."""
+        tier = self._tier.get(block)
+        if tier is not None:
+            return tier, False
+        return (Tier.DISK, True) if block in self._shared else None
+
     def plan_loads(
         self,
         blocks: Sequence[BlockHash],
         engine_blocks: Sequence[int],
         request_id: str | None = None,
-    ) -> None:
+    ) -> tuple[LoadJob, ...]:
         """Load ``blocks`` into ``engine_blocks`` (after ``match`` said so): in this step, or,
-        given the request's id, beside the coming steps until ``load_finished``."""
+        given the request's id, beside the coming steps until ``load_finished``. Returns the
+        jobs."""
         jobs = []
         for block, engine_block in zip(blocks, engine_blocks, strict=True):
-            tier = self._tier.get(block)
-            if tier is None:  # evicted since match: vLLM recomputes it (reported as failed)
+            source = self._source(block)
+            if source is None:  # evicted since match: vLLM recomputes it (reported as failed)
                 raise KeyError(f"block {block:016x} left the lower tiers before its load")
-            jobs.append(LoadJob(block, tier, engine_block))
-            self.counters.loads[tier] += 1
+            tier, shared = source
+            jobs.append(LoadJob(block, tier, engine_block, shared))
+            if shared:
+                self.counters.shared_loads += 1
+            else:
+                self.counters.loads[tier] += 1
         if request_id is None:
             self._loads += jobs
             self._pinned.update(blocks)
-            return
+            return tuple(jobs)
         if request_id in self._loading:
             raise ValueError(f"request {request_id} is loading already")
-        load = RequestLoad(request_id, tuple(jobs), sum(self.costs.load_s(j.tier) for j in jobs))
+        seconds = sum(self.costs.load_s(job.tier, job.shared) for job in jobs)
+        load = RequestLoad(request_id, tuple(jobs), seconds)
         self._loading[request_id] = load
         self._async.append(load)
         self._backlog_s += load.seconds
         for block in blocks:
             self._loading_pins[block] = self._loading_pins.get(block, 0) + 1
         self.counters.async_loads += 1
+        return load.jobs
 
     def load_finished(self, request_id: str) -> None:
         """The worker ran ``request_id``'s asynchronous load (its failed blocks come through
@@ -269,7 +325,12 @@ class TierPlanner:
     def offer(self, ref: BlockRef, engine_block: int) -> None:
         """The engine holds ``ref`` in ``engine_block`` at the end of this step: write it to
         the CPU tier if it is not there and the policy admits it; straight to disk when the
-        CPU tier has no room this step (a prompt longer than the tier)."""
+        CPU tier has no room this step (a prompt longer than the tier). With a shared tier,
+        also to the shared folder unless it holds the block already."""
+        if self._share and ref.block not in self._shared and ref.block not in self._sharing:
+            self._sharing.add(ref.block)
+            self._jobs.append(ShareJob(ref.block, engine_block))
+            self.counters.shares += 1
         tier = self._tier.get(ref.block)
         if tier is Tier.CPU:
             return

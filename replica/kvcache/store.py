@@ -4,9 +4,11 @@ them and the engine's paged KV cache, as the planner's ``StepPlan`` says.
 The CPU tier is one preallocated slab of pages (pinned on CUDA machines, so copies to and from
 the GPU run at link speed), ``[capacity, num_layers, *page_shape]`` in the page-first layout of
 ``prefixmesh.kernels``; a block is a slot in it. The disk tier is ``DiskTier`` (one file a
-block, written in the background). Every multi-block transfer goes through
-``gather_blocks`` / ``scatter_blocks``: one gather of all the step's stored blocks into a
-device staging buffer, then one copy per run of consecutive slab slots; for loads the reverse.
+block, written in the background); the shared tier is a ``DiskTier`` on the folder every
+replica shares (written once, ``ShareJob``; loads marked ``shared``). Every multi-block
+transfer goes through ``gather_blocks`` / ``scatter_blocks``: one gather of all the step's
+stored blocks into a device staging buffer, then one copy per run of consecutive slab slots;
+for loads the reverse.
 A slot holds all layers of a block contiguously (megabytes for an 8B model), so even a
 fragmented slab moves at link speed, with no host-side copy in between.
 
@@ -25,14 +27,18 @@ import torch
 from prefixmesh.cache_registry.types import BlockHash, Tier
 from prefixmesh.kernels.ops import PagedKVCache, gather_blocks, scatter_blocks
 from prefixmesh.replica.kvcache.disk import DiskTier
-from prefixmesh.replica.kvcache.planner import DropJob, Job, LoadJob, MoveJob, StoreJob
+from prefixmesh.replica.kvcache.planner import DropJob, Job, LoadJob, MoveJob, ShareJob, StoreJob
 
 logger = logging.getLogger(__name__)
 
 
 class TierStore:
     def __init__(
-        self, cache: PagedKVCache, cpu_capacity_blocks: int, disk: DiskTier | None
+        self,
+        cache: PagedKVCache,
+        cpu_capacity_blocks: int,
+        disk: DiskTier | None,
+        shared: DiskTier | None = None,
     ) -> None:
         self.cache = cache
         layout = cache.layout
@@ -45,6 +51,7 @@ class TierStore:
         self._free = list(range(cpu_capacity_blocks - 1, -1, -1))
         self._stores_done: torch.cuda.Event | None = None  # last async slab write (CUDA)
         self.disk = disk
+        self.shared = shared
         self.page_bytes = layout.page_bytes * layout.num_layers
 
     @property
@@ -62,8 +69,9 @@ class TierStore:
         recompute."""
         failed: list[LoadJob] = []
         device = self.cache.layout.device
-        cpu = [job for job in loads if job.tier is Tier.CPU]
-        disk = [job for job in loads if job.tier is Tier.DISK]
+        cpu = [job for job in loads if job.tier is Tier.CPU and not job.shared]
+        disk = [job for job in loads if job.tier is Tier.DISK and not job.shared]
+        shared = [job for job in loads if job.shared]
         if cpu:
             present = [job for job in cpu if job.block in self._slot]
             failed += [job for job in cpu if job.block not in self._slot]
@@ -75,19 +83,25 @@ class TierStore:
                         self._slab[slot : slot + count], non_blocking=True
                     )
                 scatter_blocks(self.cache, [job.engine_block for job in present], pages)
-        if disk:
-            if self.disk is None:
-                return failed + disk
-            pages = self._new_pages(len(disk), torch.device("cpu"))
-            _, ok = self.disk.get([job.block for job in disk], _as_bytes(pages))
-            good = [i for i, fine in enumerate(ok) if fine]
-            failed += [job for job, fine in zip(disk, ok, strict=True) if not fine]
-            if good:
-                rows = torch.tensor(good)
-                # A pageable source: the copy to the device completes before ``pages`` is freed.
-                staged = pages.index_select(0, rows).to(device)
-                scatter_blocks(self.cache, [disk[i].engine_block for i in good], staged)
+        failed += self._load_files(self.disk, disk)
+        failed += self._load_files(self.shared, shared)
         return failed
+
+    def _load_files(self, tier: DiskTier | None, jobs: list[LoadJob]) -> list[LoadJob]:
+        """Read ``jobs``' blocks from ``tier``'s files into their engine blocks; the failed."""
+        if not jobs:
+            return []
+        if tier is None:
+            return jobs
+        pages = self._new_pages(len(jobs), torch.device("cpu"))
+        _, ok = tier.get([job.block for job in jobs], _as_bytes(pages))
+        good = [i for i, fine in enumerate(ok) if fine]
+        if good:
+            rows = torch.tensor(good)
+            # A pageable source: the copy to the device completes before ``pages`` is freed.
+            staged = pages.index_select(0, rows).to(self.cache.layout.device)
+            scatter_blocks(self.cache, [jobs[i].engine_block for i in good], staged)
+        return [job for job, fine in zip(jobs, ok, strict=True) if not fine]
 
     def _new_pages(self, count: int, device: torch.device) -> torch.Tensor:
         return torch.empty((count, *self._page_shape), dtype=self._slab.dtype, device=device)
@@ -96,9 +110,12 @@ class TierStore:
 
     def run(self, jobs: Sequence[Job]) -> None:
         """Moves, drops and stores in plan order; consecutive stores to one tier share one
-        gather."""
+        gather, and the step's shared-folder writes one more."""
+        self._share([job for job in jobs if isinstance(job, ShareJob)])
         stores: list[StoreJob] = []
         for job in jobs:
+            if isinstance(job, ShareJob):
+                continue
             if isinstance(job, StoreJob) and (not stores or stores[0].tier is job.tier):
                 stores.append(job)
                 continue
@@ -111,6 +128,11 @@ class TierStore:
             elif isinstance(job, DropJob):
                 self._drop(job)
         self._store(stores)
+
+    def _share(self, shares: list[ShareJob]) -> None:
+        if shares and self.shared is not None:
+            staged = gather_blocks(self.cache, [job.engine_block for job in shares])
+            self.shared.put([job.block for job in shares], _as_bytes(staged.to("cpu")))
 
     def _store(self, stores: list[StoreJob]) -> None:
         if not stores:
@@ -158,8 +180,9 @@ class TierStore:
             self.disk.remove([job.block])
 
     def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
+        for tier in (self.disk, self.shared):
+            if tier is not None:
+                tier.close()
 
 
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:

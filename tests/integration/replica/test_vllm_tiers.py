@@ -163,3 +163,43 @@ def test_evicted_prompts_come_back_from_the_lower_tiers_exactly(workdir: Path) -
     # prompts after it, comes back from the disk index alone.
     assert (cached, external) == (full, full)
     assert tokens == reference[0]
+
+
+def test_a_replica_serves_a_prefix_another_computed_from_the_shared_tier_exactly(
+    workdir: Path,
+) -> None:
+    """Issue 16: two engines on one shared folder and nothing else (no CPU or disk tier of
+    their own). The second never computed the prompt: it loads every full block the first
+    wrote, and its greedy output is the first's, which recomputed it."""
+    cfg = load_config(
+        None,
+        {
+            "kvcache": {
+                "policy": "lru",
+                "shared_tier_gib": 256 * PAGE_BYTES / 2**30,
+                "shared_dir": str(workdir / "shared"),
+                "shared_read_gb_per_s": 1.0,  # faster than this machine recomputes 128 tokens
+                "shared_scan_interval_s": 0.1,
+            }
+        },
+    )
+    model_path(cfg)
+    rng = random.Random(1)
+    prompt = tuple(rng.randrange(3, 8000) for _ in range(PROMPT_BLOCKS * BLOCK + 3))
+    full = PROMPT_BLOCKS * BLOCK
+
+    async def serve_once(request_id: str) -> tuple[list[int], int, int]:
+        engine = await start_engine(cfg, [])
+        try:
+            tokens, cached = await ask(engine, request_id, prompt)
+            return tokens, cached, engine.load().external_prefix_cache_hit_tokens
+        finally:
+            await engine.shutdown()  # the shared writes are flushed
+
+    computed, cached, external = asyncio.run(serve_once("computer"))
+    assert (cached, external) == (0, 0)
+    written = list((workdir / "shared").rglob("*.kv"))
+    assert len(written) >= PROMPT_BLOCKS, written  # the prompt's blocks (and its output's)
+    loaded, cached, external = asyncio.run(serve_once("reader"))
+    assert (cached, external) == (full, full)
+    assert loaded == computed

@@ -15,7 +15,8 @@ import torch
 
 from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.replica.kvcache import disk
-from prefixmesh.replica.kvcache.disk import DiskEntry, DiskTier, block_path, scan
+from prefixmesh.replica.kvcache.disk import DiskTier, scan
+from prefixmesh.replica.kvcache.folders import DiskEntry, block_path
 
 PAGE = 64
 TAG = "layers=2,page=64,uint8"
@@ -105,7 +106,7 @@ def test_a_write_in_flight_is_served_from_memory(tier: DiskTier, gate: Gate) -> 
     path.write_bytes(b"PMKV torn")  # an old torn file must not be read meanwhile
     tier.put(h(1, 2), pages(2, seed=1))
     assert gate.entered.wait(5.0)
-    assert (tier.directory / "0000000000000001.kv.tmp").exists()
+    assert [p.name for p in tier.directory.glob("0000000000000001.kv.*.tmp")]
     assert not tier.flush(timeout_s=0.01)
     tier.put(h(2), pages(1, seed=2))  # queued behind the job in flight: the newer page wins
     out, ok = tier.get(h(1, 2))
@@ -274,3 +275,49 @@ def test_close_flushes_and_is_idempotent(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="closed"):
         t.put(h(2), pages(1))
     assert t.get(h(1))[1] == [True]  # reads still work after close
+
+
+def test_two_writers_of_one_block_each_rename_a_whole_file_of_their_own(
+    tmp_path: Path, gate: Gate
+) -> None:
+    """A shared folder: the temporary names differ per writer, so one writer's rename never
+    moves the other's half-written file (the old fixed ``.kv.tmp`` name let them interleave)."""
+    first = DiskTier(tmp_path / "shared", TAG, PAGE)
+    second = DiskTier(tmp_path / "shared", TAG, PAGE)
+    try:
+        first.put(h(1), pages(1, seed=1))
+        assert gate.entered.wait(5.0)  # first's file is written, its rename held
+        gate.entered.clear()
+        second.put(h(1), pages(1, seed=2))
+        assert gate.entered.wait(5.0)
+        temporaries = sorted(p.name for p in first.directory.glob("*.tmp"))
+        assert len(temporaries) == 2, temporaries
+        gate.release.set()
+        assert first.flush() and second.flush()
+        reader = DiskTier(tmp_path / "shared", TAG, PAGE)
+        out, ok = reader.get(h(1))
+        reader.close()
+        assert ok == [True]
+        assert torch.equal(out[0], pages(1, seed=1)[0]) or torch.equal(out[0], pages(1, seed=2)[0])
+        assert not list(first.directory.glob("*.tmp"))
+    finally:
+        gate.release.set()
+        first.close()
+        second.close()
+
+
+def test_write_once_keeps_the_first_file_and_reads_mark_it_used(tmp_path: Path) -> None:
+    shared = DiskTier(tmp_path / "shared", TAG, PAGE, write_once=True, touch_on_read=True)
+    try:
+        shared.put(h(1), pages(1, seed=1))
+        assert shared.flush()
+        path = block_path(shared.directory, BlockHash(1))
+        os.utime(path, (1_000, 1_000))
+        shared.put(h(1), pages(1, seed=2))  # stored already (by this or another replica)
+        assert shared.flush()
+        assert os.stat(path).st_mtime == 1_000  # not rewritten
+        out, ok = shared.get(h(1))
+        assert ok == [True] and torch.equal(out[0], pages(1, seed=1)[0])
+        assert os.stat(path).st_mtime > 1_000  # used now: the last to be evicted
+    finally:
+        shared.close()

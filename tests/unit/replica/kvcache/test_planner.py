@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
 from prefixmesh.config import HotPrefixConfig
 from prefixmesh.replica.kvcache.planner import (
@@ -10,6 +12,7 @@ from prefixmesh.replica.kvcache.planner import (
     LoadJob,
     MoveJob,
     RequestLoad,
+    ShareJob,
     StoreJob,
     TierChange,
     TierPlanner,
@@ -227,3 +230,67 @@ def test_failed_loads_are_forgotten() -> None:
     assert p.tier_of(B(1)) is None
     assert p.take_changes() == [TierChange(EventKind.REMOVED, Tier.DISK, (B(1),))]
     assert p.take_plan().jobs == (DropJob(B(1), Tier.DISK),)
+
+
+# ---- the cluster's shared tier ---------------------------------------------------------------
+
+SHARED_FAST = LoadCosts(128, 10**6, 10_000.0, {Tier.CPU: 1e10, Tier.DISK: 1e9}, 1e9)
+SHARED_SLOW = LoadCosts(128, 10**6, 10_000.0, {Tier.CPU: 1e10, Tier.DISK: 1e9}, 5e7)
+
+
+def shared_planner(costs: LoadCosts = SHARED_FAST, cpu: int = 0) -> TierPlanner:
+    return TierPlanner(LRUPolicy(), {Tier.CPU: cpu, Tier.DISK: 0}, costs, share=True)
+
+
+def test_computed_blocks_go_to_the_shared_folder_once() -> None:
+    p = shared_planner(cpu=4)
+    store_all(p, chain(1, 2), first_engine_block=10)
+    assert p.take_plan().jobs == (
+        ShareJob(B(1), 10),
+        StoreJob(B(1), 10),
+        ShareJob(B(2), 11),
+        StoreJob(B(2), 11),
+    )
+    store_all(p, chain(1, 2, 3), first_engine_block=20)  # queued already: only the new one
+    assert p.take_plan().jobs == (ShareJob(B(3), 22), StoreJob(B(3), 22))
+    assert p.counters.shares == 3
+
+
+def test_a_block_another_replica_shared_is_not_written_again() -> None:
+    p = shared_planner()
+    p.shared_view(frozenset({B(1)}))
+    store_all(p, chain(1, 2), first_engine_block=0)
+    assert p.take_plan().jobs == (ShareJob(B(2), 1),)
+
+
+def test_loads_come_from_the_shared_folder_when_this_replica_does_not_hold_them() -> None:
+    p = shared_planner(cpu=4)
+    store_all(p, chain(1), first_engine_block=0)  # this replica holds 1 in its CPU tier
+    p.take_plan()
+    p.shared_view(frozenset({B(1), B(2), B(3)}))  # another replica computed 2 and 3
+    blocks = [B(1), B(2), B(3), B(4)]
+    assert p.match(blocks, 0, 4) == 3
+    jobs = p.plan_loads(blocks[:3], [7, 8, 9], request_id="req")
+    assert jobs == (
+        LoadJob(B(1), Tier.CPU, 7),
+        LoadJob(B(2), Tier.DISK, 8, shared=True),
+        LoadJob(B(3), Tier.DISK, 9, shared=True),
+    )
+    assert p.counters.shared_loads == 2 and p.counters.loads[Tier.CPU] == 1
+    (load,) = p.take_plan().async_loads
+    assert load.jobs == jobs and load.seconds == pytest.approx(0.0001 + 2 * 0.001)
+    assert p.size(Tier.DISK) == 0  # the shared folder is the cluster's, not in this planner
+
+
+def test_a_shared_folder_slower_than_recomputing_is_not_read() -> None:
+    p = shared_planner(SHARED_SLOW)
+    p.shared_view(frozenset({B(1), B(2)}))
+    assert p.match([B(1), B(2), B(3)], 0, 3) == 0
+    assert p.counters.loads_declined == 2
+
+
+def test_without_a_shared_tier_nothing_is_shared() -> None:
+    p = planner(cpu=4, disk=0)
+    p.shared_view(frozenset({B(9)}))  # ignored for writes; a planner without share never gets it
+    store_all(p, chain(1))
+    assert not any(isinstance(job, ShareJob) for job in p.take_plan().jobs)

@@ -11,8 +11,9 @@ import torch
 
 from prefixmesh.cache_registry.types import BlockHash, Tier
 from prefixmesh.kernels.ops import PagedKVCache
-from prefixmesh.replica.kvcache.disk import DiskTier, block_path
-from prefixmesh.replica.kvcache.planner import DropJob, LoadJob, MoveJob, StoreJob
+from prefixmesh.replica.kvcache.disk import DiskTier
+from prefixmesh.replica.kvcache.folders import block_path
+from prefixmesh.replica.kvcache.planner import DropJob, LoadJob, MoveJob, ShareJob, StoreJob
 from prefixmesh.replica.kvcache.store import TierStore, slot_runs
 
 B = BlockHash
@@ -159,3 +160,29 @@ def test_a_move_to_disk_right_after_a_store_writes_the_stored_page(
     assert s.load([LoadJob(B(7), Tier.DISK, 0)]) == []
     assert_same(block(engine, 0), original)
     s.close()
+
+
+def test_a_block_one_replica_shares_loads_bit_exact_into_another_replica(
+    engine: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """Two replicas' stores on one shared folder: what the first computed and shared, the
+    second (its engine holding other content) loads into its own engine block exactly."""
+    cache = PagedKVCache.of(engine)
+    page_bytes = cache.layout.page_bytes * LAYERS
+    folder = tmp_path / "shared"
+
+    def shared_tier() -> DiskTier:
+        return DiskTier(folder, "test-layout", page_bytes, write_once=True, touch_on_read=True)
+
+    computer = TierStore(cache, 0, None, shared_tier())
+    original = block(engine, 2)
+    computer.run([ShareJob(B(42), 2)])
+    computer.close()  # flushes the write
+    assert block_path(folder, B(42)).exists()
+    other = [torch.zeros_like(layer) for layer in engine]
+    reader = TierStore(PagedKVCache.of(other), 0, None, shared_tier())
+    missing = LoadJob(B(43), Tier.DISK, 6, shared=True)
+    failed = reader.load([LoadJob(B(42), Tier.DISK, 5, shared=True), missing])
+    assert failed == [missing]
+    assert_same(block(other, 5), original)
+    reader.close()
