@@ -12,24 +12,27 @@ import dataclasses
 import logging
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from prefixmesh import tracing
 from prefixmesh.cache_registry.factory import make_hasher, make_registry
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
 from prefixmesh.cache_registry.registry_health import HEALTHY, RegistryHealth
-from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
+from prefixmesh.cache_registry.types import SHARED_TIER, CacheEvent, PublishResult, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.metrics.ray_sink import serve_replica_sink
 from prefixmesh.metrics.runtime import RuntimeMetrics
 from prefixmesh.metrics.sink import PrometheusSink, Tee
 from prefixmesh.replica.coalesce import coalesced
-from prefixmesh.replica.engines.base import Engine, EngineRequest, HeldMirror
+from prefixmesh.replica.engines.base import Engine, EngineRequest, HeldMirror, Residency
 from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
+from prefixmesh.replica.kvcache.folders import cache_folder, rank_folder
 from prefixmesh.replica.progress import ProgressReporter
 from prefixmesh.replica.publisher import EventPublisher, EventTarget
 from prefixmesh.replica.runtime_watch import RuntimeWatch
+from prefixmesh.replica.shared_tier import SharedTierPublisher
 from prefixmesh.replica.spans import replica_trace
 from prefixmesh.wire import (
     GenerateChunk,
@@ -75,6 +78,14 @@ class IngressEventTarget:
         return results
 
 
+def shared_tier_folder(config: PrefixmeshConfig) -> Path | None:
+    """The cluster's shared KV tier folder that rank 0 writes (None: no shared tier)."""
+    kvcache = config.kvcache
+    if kvcache.shared_tier_gib <= 0:
+        return None
+    return rank_folder(cache_folder(kvcache.shared_dir, make_hasher(config)), 0)
+
+
 def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any) -> Engine:
     hasher = make_hasher(config)
     if config.replica.engine == "vllm":
@@ -100,6 +111,8 @@ def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any)
                 if config.kvcache.tiers_enabled
                 else None
             ),
+            shared_folder=str(shared) if (shared := shared_tier_folder(config)) else None,
+            shared_read_bytes_per_s=(config.kvcache.shared_read_gb_per_s or 0) * 1e9 or None,
         )
         return VllmEngine(settings, hasher, sink)
     if config.replica.engine == "remote":
@@ -143,6 +156,7 @@ class ReplicaServer:
     _registry: Any = None  # a server built without __init__ (unit tests) has none
     runtime: RuntimeWatch | None = None
     progress: ProgressReporter | None = None
+    shared_tier: SharedTierPublisher | None = None
 
     async def __init__(self, config_json: str, model_path: str, ingress_name: str) -> None:
         from ray import serve
@@ -184,6 +198,22 @@ class ReplicaServer:
         )
         await self.engine.start()
         self.publisher.start()
+        self.shared_tier: SharedTierPublisher | None = None
+        if (folder := shared_tier_folder(self.config)) is not None:
+
+            def shared_publisher(residency: Callable[[], Residency]) -> EventPublisher:
+                return EventPublisher(
+                    SHARED_TIER,
+                    target,
+                    residency,
+                    interval_s=self.config.replica.publish_interval_ms / 1000,
+                    heartbeat_s=registry.heartbeat_interval_s,
+                    liveness=self._registry,
+                )
+
+            interval_s = self.config.kvcache.shared_scan_interval_s
+            self.shared_tier = SharedTierPublisher(folder, shared_publisher, interval_s)
+            self.shared_tier.start()
         if self.progress is not None:
             self.progress.start()
         self.runtime_metrics = PrometheusSink()
@@ -324,6 +354,8 @@ class ReplicaServer:
             await self.runtime.stop()
         if self.progress is not None:
             await self.progress.stop()
+        if self.shared_tier is not None:
+            await self.shared_tier.stop()  # another replica takes its publishing over
         await self.publisher.stop()  # no heartbeat may race the final flush or the drop
         await self.publisher.flush()
         if self._registry is not None:

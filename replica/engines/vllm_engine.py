@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prefixmesh.cache_registry.hashing import BlockHasher
@@ -50,6 +51,10 @@ class VllmEngineSettings:
     kv_connector_extra: dict[str, Any] | None = None
     """Our KV connector's settings (``replica/kvcache/connector.py:connector_extra_config``);
     None: no CPU or disk tier under the engine's own cache."""
+    shared_folder: str | None = None
+    """The cluster's shared tier this engine loads from (None: none)."""
+    shared_read_bytes_per_s: float | None = None
+    """Its read rate (None: measured at start)."""
 
 
 class _StatsCapture:
@@ -105,6 +110,7 @@ class VllmEngine:
         self._socket: Any = None
         self._prefill_tokens_per_s = settings.prefill_tokens_per_s
         self._decode_step_s = settings.decode_step_s
+        self._shared_read_bytes_per_s = settings.shared_read_bytes_per_s or 0.0
 
     async def start(self) -> None:
         import zmq
@@ -158,6 +164,15 @@ class VllmEngine:
             args, stat_loggers=[_stat_logger_factory(self._stats), *cluster_stat_loggers()]
         )
         self.kv_blocks = int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
+        if s.shared_folder is not None and not self._shared_read_bytes_per_s:
+            from prefixmesh.replica.kvcache.folders import measure_read_rate
+
+            try:
+                self._shared_read_bytes_per_s = await asyncio.to_thread(
+                    measure_read_rate, Path(s.shared_folder)
+                )
+            except OSError as exc:  # the connector serves without it too
+                logger.warning("shared KV tier %s unusable: %s", s.shared_folder, exc)
         if s.calibrate:
             await self._calibrate()
         logger.info(
@@ -252,7 +267,15 @@ class VllmEngine:
             "max_batch_tokens": s.max_num_batched_tokens,
             "kv_blocks": self.kv_blocks,
             "tp_degree": s.tensor_parallel_size,
+            "shared_load_s_per_block": self._shared_load_s_per_block(),
         }
+
+    def _shared_load_s_per_block(self) -> float:
+        """Seconds to read one block (every layer of this rank) from the shared tier; 0: none."""
+        if not self._shared_read_bytes_per_s or not self.kv_blocks:
+            return 0.0
+        block_bytes = self.settings.kv_cache_bytes / self.kv_blocks
+        return block_bytes / self._shared_read_bytes_per_s
 
     def load(self) -> EngineLoad:
         latest = self._stats.latest
