@@ -61,17 +61,17 @@ class DiskEntry:
 def list_entries(directory: Path) -> list[DiskEntry]:
     """The block files in ``directory`` by name and mtime, unread and untouched (a folder that
     other processes write: their temporary files and headers are theirs). Missing -> []."""
+    found: list[DiskEntry] = []
     try:
-        names = os.listdir(directory)
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if not entry.name.endswith(SUFFIX):
+                    continue
+                try:
+                    block = BlockHash(int(entry.name[: -len(SUFFIX)], 16))
+                    found.append(DiskEntry(block, entry.stat().st_mtime))
+                except (OSError, ValueError):  # deleted since the listing, or not ours
+                    continue
     except FileNotFoundError:
         return []
-    found: list[DiskEntry] = []
-    for name in names:
-        if not name.endswith(SUFFIX):
-            continue
-        try:
-            block = BlockHash(int(name[: -len(SUFFIX)], 16))
-            found.append(DiskEntry(block, os.stat(directory / name).st_mtime))
-        except (OSError, ValueError):  # deleted since the listing, or not one of ours
-            continue
     return found

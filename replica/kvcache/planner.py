@@ -203,10 +203,13 @@ class TierPlanner:
         self.costs = replace(self.costs, prefill_tokens_per_s=tokens_per_s)
 
     def shared_view(self, blocks: Collection[BlockHash]) -> None:
-        """The shared folder's latest listing (a snapshot the caller never changes)."""
+        """The shared folder's latest listing (a snapshot the caller never changes: the same
+        object again costs nothing, so it may be handed over at every match)."""
+        if blocks is self._shared:
+            return
         self._shared = blocks
-        if self._sharing:
-            self._sharing.difference_update(blocks)
+        if self._sharing:  # what this replica queued and the folder now shows is done
+            self._sharing = {block for block in self._sharing if block not in blocks}
             if len(self._sharing) > MAX_SHARING:  # writes that never landed (a full disk)
                 self._sharing.clear()
 
