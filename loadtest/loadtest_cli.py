@@ -22,6 +22,10 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
+
+from prefixmesh.loadtest.fit import context_length, failed_run, plan_fit
+from prefixmesh.loadtest.plan import PlanSettings, build_plan, parse_params
 from prefixmesh.loadtest.traces import TRACE_FORMATS
 from prefixmesh.loadtest.workloads import WORKLOADS
 
@@ -90,6 +94,12 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     )
     parser.add_argument("--report", type=Path, required=True, help="folder for the report")
     parser.add_argument(
+        "--max-failure-share",
+        type=float,
+        default=0.05,
+        help="exit 1 with the first error when more than this share of requests fail (0.05)",
+    )
+    parser.add_argument(
         "--web",
         type=int,
         metavar="PORT",
@@ -98,6 +108,8 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.workload and not args.rate:
         parser.error("--workload needs --rate")
+    if not 0 <= args.max_failure_share < 1:
+        parser.error("--max-failure-share must be in [0, 1)")
     for name in ("rate", "duration", "requests", "drain", "timeout"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -179,6 +191,10 @@ def main(argv: list[str], prog: str = "loadtest") -> int:
     for url in (args.target, *args.metrics_url):
         if not is_loopback(url):
             print(f"{prog}: {url} is not a loopback address; using it as you asked", flush=True)
+    refusal = check_fit(args)
+    if refusal is not None:
+        print(f"{prog}: refusing to run: {refusal}", flush=True)
+        return 2
     args.report.mkdir(parents=True, exist_ok=True)
     (args.report / "report.json").unlink(missing_ok=True)
     command = locust_command(args)
@@ -197,4 +213,42 @@ def main(argv: list[str], prog: str = "loadtest") -> int:
     keys += ("hit_rate", "arrival_cv", "launch_drift_p99_ms")
     print(json.dumps({k: report.get(k) for k in keys}))
     print(f"{prog}: report in {args.report} ({time.monotonic() - started:.0f} s)")
+    with (args.report / "records.jsonl").open() as lines:
+        failed = failed_run((json.loads(line) for line in lines), args.max_failure_share)
+    if failed is not None:
+        print(f"{prog}: the run failed: {failed}", flush=True)
+        return 1
     return 0
+
+
+def check_fit(args: argparse.Namespace) -> str | None:
+    """Why the plan cannot run against the target (None: it fits, or the target does not say
+    its context length)."""
+    try:
+        response = httpx.get(f"{args.target.rstrip('/')}/v1/models", timeout=10)
+        max_model_len = context_length(response.json(), args.model)
+    except (httpx.HTTPError, ValueError) as exc:
+        print(f"{args.target}/v1/models unreadable ({exc}); not checking the context length")
+        return None
+    if max_model_len is None:
+        return None
+    try:
+        params = parse_params(args.param)
+    except ValueError as exc:
+        return str(exc)
+    settings = PlanSettings(
+        workload=None if args.trace else args.workload,
+        trace=str(args.trace) if args.trace else None,
+        trace_format=None if args.trace_format == "auto" else args.trace_format,
+        params=params,
+        rate=args.rate,
+        requests=args.requests,
+        duration_s=args.duration,
+        seed=args.seed,
+    )
+    try:
+        plan = build_plan(settings)
+    except ValueError as exc:  # a workload field or a trace it cannot read
+        return str(exc)
+    fit = plan_fit(plan, max_model_len, args.max_tokens or None)
+    return None if fit.fits else fit.explain()

@@ -40,6 +40,7 @@ from prefixmesh.loadtest.plan import (
     PlanSettings,
     RequestBuilder,
     build_plan,
+    parse_params,
     roots_and_followers,
 )
 from prefixmesh.loadtest.poisson import Launch, OpenLoopScheduler
@@ -105,15 +106,7 @@ def _vocabulary(folder: str) -> Vocabulary:
 
 
 def _params(text: str) -> dict[str, Any]:
-    import yaml
-
-    params: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--pm-params wants k=v pairs, got {item!r}")
-        params[key.strip()] = yaml.safe_load(value)
-    return params
+    return parse_params(filter(None, (p.strip() for p in text.split(","))))
 
 
 def plan_settings(options: Any) -> PlanSettings:

@@ -11,7 +11,7 @@ tokens; prompts are rendered by ``prompts.py``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -54,6 +54,19 @@ class PlanSettings:
         if self.trace is not None:
             return "single"
         return "turns" if self.workload == "multiturn" else "system_user"
+
+
+def parse_params(pairs: Iterable[str]) -> dict[str, Any]:
+    """``FIELD=VALUE`` workload fields, each value as YAML reads it (``4096``, ``true``)."""
+    import yaml
+
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"workload fields are FIELD=VALUE, got {pair!r}")
+        params[key.strip()] = yaml.safe_load(value)
+    return params
 
 
 def build_plan(settings: PlanSettings) -> list[WorkloadRequest]:
