@@ -528,6 +528,19 @@ class LimitsConfig(_Section):
     this many. None: the context length is the only bound."""
 
 
+class AuthConfig(_Section):
+    """API keys (``prefixmesh/wire/auth.py``): off unless ``api_keys_file`` is set."""
+
+    api_keys_file: str | None = None
+    """A file of ``<key> <tenant>`` lines (a key may be stored as ``sha256:<hex>``), read again
+    when it changes; every OpenAI endpoint then wants ``Authorization: Bearer <key>`` (401
+    otherwise). Every node must see it (a mounted Kubernetes Secret fits). None: no keys."""
+    open_paths: tuple[str, ...] = ("/health", "/metrics")
+    """Paths that need no key (probes and scrapers)."""
+    reload_interval_s: float = Field(default=1.0, gt=0)
+    """How often a server checks whether the keys file changed."""
+
+
 class RayConfig(_Section):
     address: str | None = None
     """Join this Ray cluster; None starts a local one on 127.0.0.1."""
@@ -711,6 +724,8 @@ class PrefixmeshConfig(_Section):
     """The request path: HAProxy straight to the replicas (direct) or through the ingress."""
     limits: LimitsConfig = LimitsConfig()
     """What one request may ask for (body size, prompt, ``max_tokens``), checked before work."""
+    auth: AuthConfig = AuthConfig()
+    """API keys for the OpenAI endpoints (off by default)."""
     ray: RayConfig = RayConfig()
     """Where Ray runs."""
     telemetry: TelemetryConfig = TelemetryConfig()

@@ -35,6 +35,7 @@ from prefixmesh.replica.deployment import ReplicaServer
 from prefixmesh.replica.spans import trace_parent
 from prefixmesh.wire import GenerateChunk, GenerateRequest
 from prefixmesh.wire.api_errors import error_response, install_error_handlers
+from prefixmesh.wire.auth import ApiKeys, refusal
 from prefixmesh.wire.generation import Generation
 from prefixmesh.wire.limits import RequestLimits, timed_out, until_deadline
 from prefixmesh.wire.openai_protocol import (
@@ -90,6 +91,8 @@ def _noop() -> None:
 
 @serve.ingress(api)
 class ReplicaHTTPServer(ReplicaServer):
+    _keys: ApiKeys | None = None  # a server built without __init__ (unit tests) has none
+
     async def __init__(self, config_json: str, model_path: str, router_name: str) -> None:
         from transformers import AutoTokenizer
 
@@ -99,6 +102,7 @@ class ReplicaHTTPServer(ReplicaServer):
         self._metrics = DirectMetrics()
         self._max_model_len = self.config.replica.vllm.max_model_len
         self._limits = RequestLimits.from_config(self.config, self._encoder.hf)
+        self._keys = ApiKeys.from_config(self.config)
         self._created = int(time.time())
 
     # ---- small endpoints -------------------------------------------------------------------
@@ -110,7 +114,9 @@ class ReplicaHTTPServer(ReplicaServer):
         return self.registry_health().body()
 
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> Any:
+        if (refused := await refusal(self._keys, request)) is not None:
+            return refused
         return model_list(self.config.model, self._created, self._max_model_len)
 
     @api.get("/metrics")
@@ -132,6 +138,9 @@ class ReplicaHTTPServer(ReplicaServer):
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         received_ns = time.time_ns()
+        if (refused := await refusal(self._keys, request)) is not None:
+            self._metrics.error(401)
+            return refused
         ticket = RouteTicket.from_headers(request.headers)
         try:
             return await self._respond(request, chat, ticket, received_ns)

@@ -36,6 +36,7 @@ from prefixmesh.router.retry import AttemptFailed, retry_request, run_with_retry
 from prefixmesh.router.spans import NoRequestTrace, request_trace
 from prefixmesh.wire import GenerateRequest
 from prefixmesh.wire.api_errors import error_response, install_error_handlers
+from prefixmesh.wire.auth import ApiKeys, refusal
 from prefixmesh.wire.generation import Generation
 from prefixmesh.wire.limits import RequestLimits, timed_out, until_deadline
 from prefixmesh.wire.openai_protocol import (
@@ -86,6 +87,8 @@ def _failure(request_id: str, failed: AttemptFailed) -> APIError:
 
 @serve.ingress(api)
 class IngressServer:
+    _keys: ApiKeys | None = None  # a server built without __init__ (unit tests) has none
+
     def __init__(self, replicas: Any, config_json: str, model_path: str) -> None:
         from transformers import AutoTokenizer
 
@@ -100,6 +103,7 @@ class IngressServer:
         self._metrics = RequestMetrics()
         self._max_model_len = config.replica.vllm.max_model_len
         self._limits = RequestLimits.from_config(config, self._encoder.hf)
+        self._keys = ApiKeys.from_config(config)
         self._created = int(time.time())
 
     # ---- small endpoints -------------------------------------------------------------------
@@ -115,7 +119,9 @@ class IngressServer:
         await self._registry_watch.refresh()
 
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> Any:
+        if (refused := await refusal(self._keys, request)) is not None:
+            return refused
         return model_list(self.config.model, self._created, self._max_model_len)
 
     @api.get("/metrics")
@@ -138,6 +144,9 @@ class IngressServer:
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         arrived_ns = time.time_ns()
+        if (refused := await refusal(self._keys, request)) is not None:
+            self._metrics.error(401)
+            return refused
         limits = self._limits
         try:
             raw = await limits.read_body(request)  # a body over the limit is not read

@@ -216,3 +216,27 @@ def test_a_replica_killed_before_the_first_token_loses_nothing(
     assert response.headers["x-prefixmesh-replica"] != victim
     assert response.headers["x-prefixmesh-retries"] == "1"
     assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_api_keys_through_the_openai_client(
+    ray_cluster: Cluster, deploy: Deploy, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Issue 17: with a keys file the replicas answer the openai SDK's key (401 in OpenAI's
+    JSON without it, which the SDK raises as AuthenticationError); health stays open."""
+    keys = tmp_path_factory.mktemp("auth") / "keys.txt"
+    keys.write_text("sk-e2e-alpha team-a\n")
+    deploy(
+        "replica.engine=sim",
+        "replica.num_replicas=2",
+        f"auth.api_keys_file={keys}",
+    )
+    url = f"{ray_cluster.base_url}/v1"
+    wrong = openai.OpenAI(base_url=url, api_key="sk-not-a-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as raised:
+        wrong.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+    assert raised.value.code == "invalid_api_key"
+    right = openai.OpenAI(base_url=url, api_key="sk-e2e-alpha", max_retries=0)
+    response = right.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+    assert response.usage is not None and response.usage.completion_tokens == 2
+    assert [m.id for m in right.models.list().data] == [MODEL]
+    assert httpx.get(f"{ray_cluster.base_url}/health", timeout=10).status_code == 200

@@ -216,3 +216,21 @@ def test_a_request_within_its_limits_is_served(replica: Replica) -> None:
     with replica.client.stream("POST", "/v1/completions", json=body) as response:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and "error" not in "".join(lines)
+
+
+def test_with_api_keys_a_request_without_one_is_refused_before_its_body_is_read(
+    replica: Replica, work: dict[str, list[Any]], tmp_path: Any
+) -> None:
+    from prefixmesh.wire.auth import ApiKeys
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-alpha team-a\n")
+    replica.server._keys = ApiKeys(keys, ("/health", "/metrics"), 60.0)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    error = openai_error(replica.post(body), 401)
+    assert error["code"] == "invalid_api_key"
+    assert openai_error(replica.client.get("/v1/models"), 401)["code"] == "invalid_api_key"
+    assert parsed_and_tokenized(work) == (0, 0)
+    good = {"Authorization": "Bearer sk-alpha"}
+    assert replica.post(body, headers=good).status_code == 200
+    assert replica.client.get("/v1/models", headers=good).status_code == 200

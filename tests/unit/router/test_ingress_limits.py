@@ -218,3 +218,20 @@ def test_a_request_within_its_limits_is_served(proxy: Ingress) -> None:
     with proxy.client.stream("POST", "/v1/completions", json=body) as response:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and "error" not in "".join(lines)
+
+
+def test_with_api_keys_the_proxy_path_wants_one_before_it_reads_the_body(
+    proxy: Ingress, tmp_path: Any
+) -> None:
+    from prefixmesh.wire.auth import ApiKeys
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-alpha team-a\n")
+    proxy.server._keys = ApiKeys(keys, ("/health", "/metrics"), 60.0)
+    body = {"model": MODEL, "prompt": "alpha beta", "max_tokens": 2}
+    assert openai_error(proxy.post(body), 401)["code"] == "invalid_api_key"
+    assert openai_error(proxy.client.get("/v1/models"), 401)["code"] == "invalid_api_key"
+    assert proxy.parsed_and_tokenized() == (0, 0)
+    good = {"Authorization": "Bearer sk-alpha"}
+    assert proxy.client.post("/v1/completions", json=body, headers=good).status_code == 200
+    assert proxy.statuses().get("401") == 1
