@@ -541,6 +541,43 @@ class AuthConfig(_Section):
     """How often a server checks whether the keys file changed."""
 
 
+class TenantQuota(_Section):
+    """One tenant's limits; 0 means no limit."""
+
+    tokens_per_minute: int = Field(default=0, ge=0)
+    """Prompt plus completion tokens in any sliding minute. A request is admitted while the
+    tenant's minute has room for its prompt; its completion is counted when it ends."""
+    concurrent_requests: int = Field(default=0, ge=0)
+    """Requests of the tenant running at once in the whole cluster."""
+
+
+class QuotasConfig(_Section):
+    """Token quotas per tenant (``prefixmesh/wire/quota.py``): off while every limit is 0.
+
+    The tenant is the one the request's API key names (``auth``); without keys every request
+    belongs to ``anonymous``. Counted across the cluster in the registry's Redis (one atomic
+    script a request), in the process with the ``memory`` registry. A request over its
+    tenant's quota gets OpenAI's 429 (``rate_limit_exceeded``) with ``retry-after``."""
+
+    default: TenantQuota = TenantQuota()
+    """Every tenant not named in ``tenants``."""
+    tenants: dict[str, TenantQuota] = {}
+    """Limits of named tenants, over ``default``."""
+    fail_closed: bool = False
+    """When the quota store cannot answer in ``store_timeout_ms``: False lets the request in
+    (counted in ``prefixmesh_quota_store_errors_total``), True refuses it with a 503."""
+    store_timeout_ms: float = Field(default=50.0, gt=0)
+    """Time budget of one quota check or settlement."""
+
+    @property
+    def enabled(self) -> bool:
+        limits = (self.default, *self.tenants.values())
+        return any(q.tokens_per_minute or q.concurrent_requests for q in limits)
+
+    def limit_of(self, tenant: str) -> TenantQuota:
+        return self.tenants.get(tenant, self.default)
+
+
 class RayConfig(_Section):
     address: str | None = None
     """Join this Ray cluster; None starts a local one on 127.0.0.1."""
@@ -726,6 +763,8 @@ class PrefixmeshConfig(_Section):
     """What one request may ask for (body size, prompt, ``max_tokens``), checked before work."""
     auth: AuthConfig = AuthConfig()
     """API keys for the OpenAI endpoints (off by default)."""
+    quotas: QuotasConfig = QuotasConfig()
+    """Token and concurrency quotas per tenant (off by default)."""
     ray: RayConfig = RayConfig()
     """Where Ray runs."""
     telemetry: TelemetryConfig = TelemetryConfig()

@@ -35,7 +35,7 @@ from prefixmesh.replica.deployment import ReplicaServer
 from prefixmesh.replica.spans import trace_parent
 from prefixmesh.wire import GenerateChunk, GenerateRequest
 from prefixmesh.wire.api_errors import error_response, install_error_handlers
-from prefixmesh.wire.auth import ApiKeys, refusal
+from prefixmesh.wire.auth import ApiKeys, refusal, request_tenant
 from prefixmesh.wire.generation import Generation
 from prefixmesh.wire.limits import RequestLimits, timed_out, until_deadline
 from prefixmesh.wire.openai_protocol import (
@@ -61,6 +61,7 @@ from prefixmesh.wire.openai_render import (
     new_request_id,
     sse_events,
 )
+from prefixmesh.wire.quota import QuotaSlot, TenantQuotas
 from prefixmesh.wire.request_metrics import DirectMetrics
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 
@@ -91,7 +92,9 @@ def _noop() -> None:
 
 @serve.ingress(api)
 class ReplicaHTTPServer(ReplicaServer):
-    _keys: ApiKeys | None = None  # a server built without __init__ (unit tests) has none
+    # A server built without __init__ (unit tests) has no keys and no quotas.
+    _keys: ApiKeys | None = None
+    _quotas: TenantQuotas | None = None
 
     async def __init__(self, config_json: str, model_path: str, router_name: str) -> None:
         from transformers import AutoTokenizer
@@ -103,7 +106,13 @@ class ReplicaHTTPServer(ReplicaServer):
         self._max_model_len = self.config.replica.vllm.max_model_len
         self._limits = RequestLimits.from_config(self.config, self._encoder.hf)
         self._keys = ApiKeys.from_config(self.config)
+        self._quotas = TenantQuotas.from_config(self.config, self._metrics)
         self._created = int(time.time())
+
+    async def shutdown(self) -> None:
+        await super().shutdown()
+        if self._quotas is not None:
+            await self._quotas.close()
 
     # ---- small endpoints -------------------------------------------------------------------
 
@@ -138,18 +147,25 @@ class ReplicaHTTPServer(ReplicaServer):
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         received_ns = time.time_ns()
-        if (refused := await refusal(self._keys, request)) is not None:
-            self._metrics.error(401)
-            return refused
         ticket = RouteTicket.from_headers(request.headers)
         try:
-            return await self._respond(request, chat, ticket, received_ns)
+            tenant = await request_tenant(self._keys, request)  # before the body is read
+            return await self._respond(request, chat, ticket, received_ns, tenant)
         except APIError as exc:
             self._metrics.error(exc.status)
+            if ticket is not None and self.progress is not None:
+                # The router counted the request it routed here: it ends here (a request
+                # that reached the engine was reported by ``generate`` already).
+                self.progress.finished(ticket.request_id)
             return error_response(exc)
 
     async def _respond(
-        self, request: Request, chat: bool, ticket: RouteTicket | None, received_ns: int
+        self,
+        request: Request,
+        chat: bool,
+        ticket: RouteTicket | None,
+        received_ns: int,
+        tenant: str,
     ) -> Response:
         limits = self._limits
         # Longer than HAProxy forwards to the router (it balanced the request blind), or than
@@ -174,6 +190,7 @@ class ReplicaHTTPServer(ReplicaServer):
         # The router's decision is the spans' parent; the client's traceparent when there is none.
         context = trace_parent(ticket.trace_context if ticket else None, request.headers)
         generate = self._request(ticket, chat, tuple(ids), key, sampling, context)
+        slot = await self._admit(tenant, generate.request_id, len(ids))
         # TTFT counts from when the request entered the cluster (the router's clock).
         started_s = time.monotonic() - waited_s
         generation = Generation(
@@ -182,7 +199,7 @@ class ReplicaHTTPServer(ReplicaServer):
             len(ids),
             body.stop_strings(),
             _noop,
-            _noop,
+            lambda: self._settle(slot, generation),
             request=generate,
             started_s=started_s,
         )
@@ -227,6 +244,15 @@ class ReplicaHTTPServer(ReplicaServer):
         self._metrics.finished(generation)
         payload = full_body(request_id, self.config.model, chat, text, finish, generation)
         return JSONResponse(payload, headers=headers)
+
+    async def _admit(self, tenant: str, request_id: str, prompt_tokens: int) -> QuotaSlot | None:
+        if self._quotas is None:
+            return None
+        return await self._quotas.admit(tenant, request_id, prompt_tokens)
+
+    def _settle(self, slot: QuotaSlot | None, generation: Generation) -> None:
+        if slot is not None and self._quotas is not None:
+            self._quotas.settle_soon(slot, generation.usage.completion_tokens)
 
     def _request(
         self,

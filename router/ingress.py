@@ -36,7 +36,7 @@ from prefixmesh.router.retry import AttemptFailed, retry_request, run_with_retry
 from prefixmesh.router.spans import NoRequestTrace, request_trace
 from prefixmesh.wire import GenerateRequest
 from prefixmesh.wire.api_errors import error_response, install_error_handlers
-from prefixmesh.wire.auth import ApiKeys, refusal
+from prefixmesh.wire.auth import ApiKeys, refusal, request_tenant
 from prefixmesh.wire.generation import Generation
 from prefixmesh.wire.limits import RequestLimits, timed_out, until_deadline
 from prefixmesh.wire.openai_protocol import (
@@ -59,6 +59,7 @@ from prefixmesh.wire.openai_render import (
     new_request_id,
     sse_events,
 )
+from prefixmesh.wire.quota import QuotaSlot, TenantQuotas
 from prefixmesh.wire.request_metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ def _failure(request_id: str, failed: AttemptFailed) -> APIError:
 
 @serve.ingress(api)
 class IngressServer:
-    _keys: ApiKeys | None = None  # a server built without __init__ (unit tests) has none
+    # A server built without __init__ (unit tests) has no keys and no quotas.
+    _keys: ApiKeys | None = None
+    _quotas: TenantQuotas | None = None
 
     def __init__(self, replicas: Any, config_json: str, model_path: str) -> None:
         from transformers import AutoTokenizer
@@ -104,6 +107,7 @@ class IngressServer:
         self._max_model_len = config.replica.vllm.max_model_len
         self._limits = RequestLimits.from_config(config, self._encoder.hf)
         self._keys = ApiKeys.from_config(config)
+        self._quotas = TenantQuotas.from_config(config, self._metrics)
         self._created = int(time.time())
 
     # ---- small endpoints -------------------------------------------------------------------
@@ -144,17 +148,17 @@ class IngressServer:
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         arrived_ns = time.time_ns()
-        if (refused := await refusal(self._keys, request)) is not None:
-            self._metrics.error(401)
-            return refused
         limits = self._limits
         try:
+            tenant = await request_tenant(self._keys, request)  # before the body is read
             raw = await limits.read_body(request)  # a body over the limit is not read
             body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
             check_model(body.model, self.config.model)
             limits.admit(body)  # a prompt that cannot fit is not tokenized
             deadline = limits.deadline((time.time_ns() - arrived_ns) / 1e9)
             ids, max_tokens = await self._encoder.prompt_of(body, chat=chat)
+            request_id = new_request_id(chat)
+            slot = await self._quotas.admit(tenant, request_id, len(ids)) if self._quotas else None
             return await self._respond(
                 body,
                 ids,
@@ -163,6 +167,8 @@ class IngressServer:
                 headers=request.headers,
                 arrived_ns=arrived_ns,
                 deadline=deadline,
+                request_id=request_id,
+                slot=slot,
             )
         except APIError as exc:
             self._metrics.error(exc.status)
@@ -178,16 +184,18 @@ class IngressServer:
         headers: Mapping[str, str],
         arrived_ns: int,
         deadline: float,
+        request_id: str,
+        slot: QuotaSlot | None,
     ) -> Response:
         """The response, inside the request's span (which a stream ends when it ends)."""
-        request_id = new_request_id(chat)
         trace = request_trace(headers, request_id, len(ids), bool(body.stream), arrived_ns)
         try:
             return await self._respond_traced(
-                body, ids, max_tokens, chat, request_id, trace, deadline
+                body, ids, max_tokens, chat, request_id, trace, deadline, slot
             )
         except BaseException as exc:
             trace.end(error=exc)
+            self._settle(slot, None)
             raise
 
     async def _respond_traced(
@@ -199,6 +207,7 @@ class IngressServer:
         request_id: str,
         trace: NoRequestTrace,
         deadline: float,
+        slot: QuotaSlot | None,
     ) -> Response:
         """``deadline``: the event loop's time the request must end by (retries, streams)."""
         sampling = body.engine_sampling(
@@ -256,13 +265,22 @@ class IngressServer:
         }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(generation, request_id, chat, include_usage, trace, deadline)
+            stream = self._stream(
+                generation, request_id, chat, include_usage, trace, deadline, slot
+            )
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         text, finish_reason = done.result or ("", "stop")
         self._metrics.finished(generation)
         trace.end(generation)
+        self._settle(slot, generation)
         body_json = full_body(request_id, self.config.model, chat, text, finish_reason, generation)
         return JSONResponse(body_json, headers=headers)
+
+    def _settle(self, slot: QuotaSlot | None, generation: Generation | None) -> None:
+        """The request ended: its completion counts against its tenant's quota."""
+        if slot is not None and self._quotas is not None:
+            tokens = generation.usage.completion_tokens if generation is not None else 0
+            self._quotas.settle_soon(slot, tokens)
 
     def _start(self, request: GenerateRequest, stop: list[str], started_s: float) -> Generation:
         ledger, lock = self._local.ledger, self._local.lock
@@ -305,6 +323,7 @@ class IngressServer:
         include_usage: bool,
         trace: NoRequestTrace,
         deadline: float,
+        slot: QuotaSlot | None,
     ) -> AsyncIterator[bytes]:
         def failed(exc: BaseException) -> APIError:  # the replica died mid-stream
             logger.warning("stream %s failed mid-stream: %s", request_id, brief(exc))
@@ -334,6 +353,7 @@ class IngressServer:
                 yield event
         finally:
             trace.end(generation)  # a client gone mid-stream ends it here (idempotent)
+            self._settle(slot, generation)
 
     # ---- cluster plumbing ------------------------------------------------------------------
 

@@ -35,7 +35,8 @@ def error_type_of(status: int) -> str:
 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    merged = {**error.headers, **headers} if headers else error.headers or None
+    return JSONResponse(error.body(), status_code=error.status, headers=merged)
 
 
 def http_error(method: str, path: str, status: int, detail: Any) -> APIError:

@@ -34,6 +34,8 @@ from prefixmesh.wire.openai_protocol import APIError
 logger = logging.getLogger(__name__)
 
 INVALID_API_KEY = "invalid_api_key"
+ANONYMOUS = "anonymous"
+"""The tenant of a request that needs no key (no keys configured, or an open path)."""
 _HASHED = re.compile(r"sha256:([0-9a-f]{64})")
 _TENANT = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
@@ -170,12 +172,18 @@ class RequestLike(Protocol):
     def headers(self) -> Mapping[str, str]: ...
 
 
+async def request_tenant(keys: ApiKeys | None, request: RequestLike) -> str:
+    """The tenant the request's key names (``anonymous`` when none is needed); raises the 401
+    for a request without a known key."""
+    if keys is None:
+        return ANONYMOUS
+    return await keys.tenant_of(request.url.path, request.headers) or ANONYMOUS
+
+
 async def refusal(keys: ApiKeys | None, request: RequestLike) -> JSONResponse | None:
     """The 401 for a request without a known key (None: let it in; no keys: always)."""
-    if keys is None:
-        return None
     try:
-        await keys.tenant_of(request.url.path, request.headers)
+        await request_tenant(keys, request)
     except APIError as exc:
         return error_response(exc)
     return None

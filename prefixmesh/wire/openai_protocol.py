@@ -27,8 +27,11 @@ class APIError(Exception):
         error_type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers or {}
+        """Response headers the error comes with (a 429's ``retry-after``)."""
         self.status = status
         self.message = message
         self.error_type = error_type

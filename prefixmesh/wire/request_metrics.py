@@ -47,6 +47,22 @@ RETRIES = CounterSpec(
 STREAM_ERRORS = CounterSpec(
     "prefixmesh_stream_errors", "Streams ended with an error event after their first token"
 )
+TENANT_TOKENS = CounterSpec(
+    "prefixmesh_tenant_tokens",
+    "Tokens of admitted requests by tenant (the API key's; anonymous without keys) and kind "
+    "(prompt, completion)",
+    ("tenant", "kind"),
+)
+QUOTA_REFUSALS = CounterSpec(
+    "prefixmesh_quota_refusals",
+    "Requests refused with a 429 by tenant and the limit they hit (tokens, concurrency, too_large)",
+    ("tenant", "limit"),
+)
+QUOTA_STORE_ERRORS = CounterSpec(
+    "prefixmesh_quota_store_errors",
+    "Quota checks and settlements the store failed or answered too late (the request was let "
+    "in unless quotas.fail_closed)",
+)
 REQUEST_METRICS = (
     REQUESTS,
     TTFT,
@@ -56,6 +72,9 @@ REQUEST_METRICS = (
     HOLD_SECONDS,
     RETRIES,
     STREAM_ERRORS,
+    TENANT_TOKENS,
+    QUOTA_REFUSALS,
+    QUOTA_STORE_ERRORS,
 )
 
 KEY_MISMATCHES = CounterSpec(
@@ -92,6 +111,9 @@ class RequestMetrics:
         self.hold_seconds = HOLD_SECONDS.build(sink)
         self.retries = RETRIES.build(sink)
         self.stream_errors = STREAM_ERRORS.build(sink)
+        self.tenant_token_count = TENANT_TOKENS.build(sink)
+        self.quota_refusals = QUOTA_REFUSALS.build(sink)
+        self.quota_store_errors = QUOTA_STORE_ERRORS.build(sink)
 
     def error(self, status: int) -> None:
         self.requests.labels(status=str(status)).inc()
@@ -111,6 +133,17 @@ class RequestMetrics:
     def finished(self, generation: Generation) -> None:
         self.requests.labels(status="200").inc()
         self.completion_tokens.inc(generation.usage.completion_tokens)
+
+    # ---- QuotaMetrics (wire/quota.py) ------------------------------------------------------
+
+    def quota_refused(self, tenant: str, limit: str) -> None:
+        self.quota_refusals.labels(tenant=tenant, limit=limit).inc()
+
+    def quota_store_failed(self) -> None:
+        self.quota_store_errors.inc()
+
+    def tenant_tokens(self, tenant: str, kind: str, tokens: int) -> None:
+        self.tenant_token_count.labels(tenant=tenant, kind=kind).inc(tokens)
 
     def render(self, *others: CollectorRegistry) -> str:
         """This registry and ``others`` (a router's, in its process) in one exposition."""

@@ -218,17 +218,20 @@ def test_a_replica_killed_before_the_first_token_loses_nothing(
     assert response.json()["usage"]["completion_tokens"] == 2
 
 
-def test_api_keys_through_the_openai_client(
+def test_api_keys_and_quotas_through_the_openai_client(
     ray_cluster: Cluster, deploy: Deploy, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Issue 17: with a keys file the replicas answer the openai SDK's key (401 in OpenAI's
-    JSON without it, which the SDK raises as AuthenticationError); health stays open."""
+    JSON without it, which the SDK raises as AuthenticationError); health stays open. A tenant
+    over its token quota gets 429 with retry-after (the SDK's RateLimitError) while another
+    tenant is served."""
     keys = tmp_path_factory.mktemp("auth") / "keys.txt"
-    keys.write_text("sk-e2e-alpha team-a\n")
+    keys.write_text("sk-e2e-alpha team-a\nsk-e2e-beta team-b\n")
     deploy(
         "replica.engine=sim",
         "replica.num_replicas=2",
         f"auth.api_keys_file={keys}",
+        "quotas.tenants.team-a.tokens_per_minute=64",
     )
     url = f"{ray_cluster.base_url}/v1"
     wrong = openai.OpenAI(base_url=url, api_key="sk-not-a-key", max_retries=0)
@@ -240,3 +243,19 @@ def test_api_keys_through_the_openai_client(
     assert response.usage is not None and response.usage.completion_tokens == 2
     assert [m.id for m in right.models.list().data] == [MODEL]
     assert httpx.get(f"{ray_cluster.base_url}/health", timeout=10).status_code == 200
+
+    # With the in-process registry each replica counts on its own: 30-token prompts fit
+    # twice in a replica's 64 tokens, so five requests over two replicas meet a refusal.
+    prompt = " ".join(["word"] * 30)
+    refusals: list[openai.RateLimitError] = []
+    for _ in range(5):
+        try:
+            right.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        except openai.RateLimitError as exc:
+            refusals.append(exc)
+    assert refusals, "team-a was never refused over its quota"
+    assert refusals[0].code == "rate_limit_exceeded"
+    assert int(refusals[0].response.headers["retry-after"]) >= 1
+    beta = openai.OpenAI(base_url=url, api_key="sk-e2e-beta", max_retries=0)
+    for _ in range(5):
+        beta.completions.create(model=MODEL, prompt=prompt, max_tokens=2)

@@ -234,3 +234,48 @@ def test_with_api_keys_a_request_without_one_is_refused_before_its_body_is_read(
     good = {"Authorization": "Bearer sk-alpha"}
     assert replica.post(body, headers=good).status_code == 200
     assert replica.client.get("/v1/models", headers=good).status_code == 200
+
+
+class _Progress:
+    """What the replica tells the router about requests it ends."""
+
+    def __init__(self) -> None:
+        self.finished_ids: list[str] = []
+
+    def finished(self, request_id: str) -> None:
+        self.finished_ids.append(request_id)
+
+
+def test_a_tenant_over_its_quota_gets_a_429_and_the_router_hears_the_request_ended(
+    replica: Replica, tmp_path: Any
+) -> None:
+    """Issue 17: the key's tenant is checked against its quota once the prompt is tokenized;
+    a refused request the router routed here is reported ended, or the router's ledger would
+    count it for minutes (as it did for a 401 or 400 before)."""
+    from prefixmesh.config import QuotasConfig, TenantQuota
+    from prefixmesh.wire.auth import ApiKeys
+    from prefixmesh.wire.quota import MemoryQuotaStore, TenantQuotas
+    from prefixmesh.wire.route_ticket import RouteTicket
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-alpha team-a\nsk-beta team-b\n")
+    server = replica.server
+    server._keys = ApiKeys(keys, ("/health", "/metrics"), 60.0)
+    limits = QuotasConfig(tenants={"team-a": TenantQuota(tokens_per_minute=9)})  # a 5-token prompt fits once
+    server._quotas = TenantQuotas(limits, MemoryQuotaStore(), 60.0, server._metrics)
+    server.progress = progress = _Progress()
+    body = {"model": MODEL, "prompt": "alpha beta gamma delta", "max_tokens": 2}
+    alpha = {"Authorization": "Bearer sk-alpha"}
+    assert replica.post(body, headers=alpha).status_code == 200
+    ticket = RouteTicket("cmpl-routed-1", "r1", "affinity", 0, "", 0)
+    refused = replica.post(body, headers={**alpha, **ticket.headers()})
+    error = openai_error(refused, 429)
+    assert (error["code"], error["type"]) == ("rate_limit_exceeded", "tokens")
+    assert int(refused.headers["retry-after"]) >= 1
+    assert progress.finished_ids == ["cmpl-routed-1"]
+    assert replica.post(body, headers={"Authorization": "Bearer sk-beta"}).status_code == 200
+    got = samples(server._metrics.render())
+    assert got[("prefixmesh_quota_refusals_total", (("limit", "tokens"), ("tenant", "team-a")))]
+    completion = (("kind", "completion"), ("tenant", "team-a"))
+    assert got[("prefixmesh_tenant_tokens_total", completion)] == 2
+    assert replica.statuses()["429"] == 1

@@ -235,3 +235,39 @@ def test_with_api_keys_the_proxy_path_wants_one_before_it_reads_the_body(
     good = {"Authorization": "Bearer sk-alpha"}
     assert proxy.client.post("/v1/completions", json=body, headers=good).status_code == 200
     assert proxy.statuses().get("401") == 1
+
+
+def test_quotas_on_the_proxy_path_refuse_over_quota_and_settle_the_completion(
+    proxy: Ingress, tmp_path: Any
+) -> None:
+    """Issue 17: the ingress checks the key's tenant against its quota after tokenizing, and
+    counts a request's completion when it ends (streamed or not), once whatever the retries."""
+    from prefixmesh.config import QuotasConfig, TenantQuota
+    from prefixmesh.wire.auth import ApiKeys
+    from prefixmesh.wire.quota import MemoryQuotaStore, TenantQuotas
+    from tests.unit.router.test_metrics import samples
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-alpha team-a\n")
+    server = proxy.server
+    server._keys = ApiKeys(keys, ("/health", "/metrics"), 60.0)
+    limits = QuotasConfig(default=TenantQuota(tokens_per_minute=18))  # two 5-token prompts
+    server._quotas = TenantQuotas(limits, MemoryQuotaStore(), 60.0, server._metrics)
+    alpha = {"Authorization": "Bearer sk-alpha"}
+    body = {"model": MODEL, "prompt": "alpha beta gamma delta", "max_tokens": 2}
+    assert proxy.client.post("/v1/completions", json=body, headers=alpha).status_code == 200
+    with proxy.client.stream(
+        "POST", "/v1/completions", json={**body, "stream": True}, headers=alpha
+    ) as response:
+        assert response.status_code == 200
+        assert [line for line in response.iter_lines() if line][-1] == "data: [DONE]"
+    # 5 + 2 + 5 + 2 = 14 used: a third 5-token prompt does not fit in 18.
+    refused = proxy.client.post("/v1/completions", json=body, headers=alpha)
+    assert openai_error(refused, 429)["code"] == "rate_limit_exceeded"
+    assert "Used 14" in openai_error(refused, 429)["message"]
+    got = samples(server._metrics.render())
+    tokens = {
+        kind: got[("prefixmesh_tenant_tokens_total", (("kind", kind), ("tenant", "team-a")))]
+        for kind in ("prompt", "completion")
+    }
+    assert tokens == {"prompt": 10, "completion": 4}
