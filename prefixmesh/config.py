@@ -388,6 +388,21 @@ class RemoteEngineConfig(_Section):
     every 0.25 s): a restart on the same port within it is not a death."""
 
 
+class FairShareConfig(_Section):
+    """Fair share when a replica is saturated (``replica/fair_share.py``): off by default."""
+
+    enabled: bool = False
+    """Past ``prefill_budget_tokens`` of admitted prompts still prefilling, requests wait at the
+    replica and start by priority, then the tenant with the least service (a virtual token
+    counter), instead of in arrival order."""
+    prefill_budget_tokens: int = Field(default=4096, ge=1)
+    """Prompt tokens (less their cached prefix) admitted to the engine and not yet at their
+    first token, past which requests wait: about two of the engine's steps (vLLM's
+    ``max_num_batched_tokens`` is 2048 on small devices), so it is never starved."""
+    output_weight: float = Field(default=2.0, ge=0)
+    """What a generated token costs a tenant's counter, a prompt token costing 1 (VTC's)."""
+
+
 class ReplicaConfig(_Section):
     engine: Literal["vllm", "sim", "remote"] = "vllm"
     """Which engine each replica runs: ``vllm``, ``sim``, or ``remote`` (forward to a replica
@@ -422,6 +437,8 @@ class ReplicaConfig(_Section):
     """Settings of the vllm engine."""
     sim: SimEngineConfig = SimEngineConfig()
     """Settings of the sim engine."""
+    fair_share: FairShareConfig = FairShareConfig()
+    """Admission by priority and tenant when the replica is saturated (off by default)."""
     remote: RemoteEngineConfig = RemoteEngineConfig()
     """Settings of the remote engine."""
 

@@ -27,6 +27,8 @@ from prefixmesh.metrics.runtime import RuntimeMetrics
 from prefixmesh.metrics.sink import PrometheusSink, Tee
 from prefixmesh.replica.coalesce import coalesced
 from prefixmesh.replica.engines.base import Engine, EngineRequest, HeldMirror, Residency
+from prefixmesh.replica.fair_gate import FairGate
+from prefixmesh.replica.fair_share import FairTicket
 from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
 from prefixmesh.replica.kvcache.folders import cache_folder, rank_folder
 from prefixmesh.replica.progress import ProgressReporter
@@ -157,6 +159,7 @@ class ReplicaServer:
     runtime: RuntimeWatch | None = None
     progress: ProgressReporter | None = None
     shared_tier: SharedTierPublisher | None = None
+    fair: FairGate | None = None
 
     async def __init__(self, config_json: str, model_path: str, ingress_name: str) -> None:
         from ray import serve
@@ -181,6 +184,7 @@ class ReplicaServer:
         self.holds = ReplicaHolds(HoldSettings.from_config(self.config))
         self._resident = HeldMirror()
         """What the engine holds, from its changes: a hold waits only for blocks not here."""
+        self.fair = FairGate.from_config(self.config.replica.fair_share)
         self._coalesce = self.config.replica.coalesce_stream
         self.engine = make_engine(self.config, model_path, rank, self._on_changes)
         registry = self.config.registry
@@ -252,6 +256,8 @@ class ReplicaServer:
             if hold is not None:
                 held_s = await self.holds.wait(hold, key, from_router=request.hold is not None)
             trace.queued(hold, held_s)
+            if self.fair is not None:
+                await self.fair.enter(self._fair_ticket(request))
             inflight.started(rid, key, len(request.prompt_token_ids))
             engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling)
             stream = self.engine.generate(engine_request)
@@ -262,6 +268,8 @@ class ReplicaServer:
                     in_prefill = False
                     if self.progress is not None:
                         self.progress.first_token(rid)
+                    if self.fair is not None:
+                        self.fair.first_token(rid)
                     inflight.finished(rid)
                     self._prefill_tokens.pop(rid, None)
                     self._running.add(rid)
@@ -282,11 +290,19 @@ class ReplicaServer:
         finally:
             if self.progress is not None:
                 self.progress.finished(rid)
+            if self.fair is not None:
+                self.fair.leave(rid, output_tokens)
             inflight.finished(rid)
             self._prefill_tokens.pop(rid, None)
             self._running.discard(rid)
             self._finished.append(rid)
             trace.end(output_tokens, finish_reason)
+
+    def _fair_ticket(self, request: GenerateRequest) -> FairTicket:
+        """The request as fair share weighs it: the prompt tokens the engine must compute."""
+        cached = self._resident.leading(request.key.block_hashes) * self.config.cache.block_size
+        work = max(1, len(request.prompt_token_ids) - cached)
+        return FairTicket(request.request_id, request.tenant, request.priority, work)
 
     def capacity(self) -> ReplicaCapacity | None:
         """The engine's capacity (None if it reports none that can be read)."""
@@ -324,6 +340,8 @@ class ReplicaServer:
                 heartbeat_mismatches=publisher.heartbeat_mismatches,
                 reaped_replicas=publisher.reaped,
                 event_gaps=load.event_gaps,
+                fair_share_waits=self.fair.queue.waited if self.fair is not None else 0,
+                fair_share_waiting=self.fair.queue.waiting if self.fair is not None else 0,
             ),
         )
 

@@ -20,6 +20,7 @@ GETs (models, health, metrics) reach any replica: HAProxy balances them by conne
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -61,6 +62,7 @@ from prefixmesh.wire.openai_render import (
     new_request_id,
     sse_events,
 )
+from prefixmesh.wire.priority import request_priority
 from prefixmesh.wire.quota import QuotaSlot, TenantQuotas
 from prefixmesh.wire.request_metrics import DirectMetrics
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
@@ -189,7 +191,11 @@ class ReplicaHTTPServer(ReplicaServer):
         key = self._hasher.hash_tokens(ids)
         # The router's decision is the spans' parent; the client's traceparent when there is none.
         context = trace_parent(ticket.trace_context if ticket else None, request.headers)
-        generate = self._request(ticket, chat, tuple(ids), key, sampling, context)
+        generate = dataclasses.replace(
+            self._request(ticket, chat, tuple(ids), key, sampling, context),
+            tenant=tenant,
+            priority=request_priority(request.headers, getattr(body, "priority", None)),
+        )
         slot = await self._admit(tenant, generate.request_id, len(ids))
         # TTFT counts from when the request entered the cluster (the router's clock).
         started_s = time.monotonic() - waited_s

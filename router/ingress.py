@@ -59,6 +59,7 @@ from prefixmesh.wire.openai_render import (
     new_request_id,
     sse_events,
 )
+from prefixmesh.wire.priority import request_priority
 from prefixmesh.wire.quota import QuotaSlot, TenantQuotas
 from prefixmesh.wire.request_metrics import RequestMetrics
 
@@ -159,6 +160,7 @@ class IngressServer:
             ids, max_tokens = await self._encoder.prompt_of(body, chat=chat)
             request_id = new_request_id(chat)
             slot = await self._quotas.admit(tenant, request_id, len(ids)) if self._quotas else None
+            priority = request_priority(request.headers, getattr(body, "priority", None))
             return await self._respond(
                 body,
                 ids,
@@ -169,6 +171,8 @@ class IngressServer:
                 deadline=deadline,
                 request_id=request_id,
                 slot=slot,
+                tenant=tenant,
+                priority=priority,
             )
         except APIError as exc:
             self._metrics.error(exc.status)
@@ -186,12 +190,14 @@ class IngressServer:
         deadline: float,
         request_id: str,
         slot: QuotaSlot | None,
+        tenant: str,
+        priority: int,
     ) -> Response:
         """The response, inside the request's span (which a stream ends when it ends)."""
         trace = request_trace(headers, request_id, len(ids), bool(body.stream), arrived_ns)
         try:
             return await self._respond_traced(
-                body, ids, max_tokens, chat, request_id, trace, deadline, slot
+                body, ids, max_tokens, chat, request_id, trace, deadline, slot, tenant, priority
             )
         except BaseException as exc:
             trace.end(error=exc)
@@ -208,6 +214,8 @@ class IngressServer:
         trace: NoRequestTrace,
         deadline: float,
         slot: QuotaSlot | None,
+        tenant: str,
+        priority: int,
     ) -> Response:
         """``deadline``: the event loop's time the request must end by (retries, streams)."""
         sampling = body.engine_sampling(
@@ -219,7 +227,13 @@ class IngressServer:
         )
         key = self._hasher.hash_tokens(ids)
         generate = GenerateRequest(
-            request_id, tuple(ids), key, sampling, trace_context=trace.carrier
+            request_id,
+            tuple(ids),
+            key,
+            sampling,
+            trace_context=trace.carrier,
+            tenant=tenant,
+            priority=priority,
         )
         stop = body.stop_strings()
         started_s = time.monotonic()

@@ -64,6 +64,10 @@ class GenerateRequest:
     children of: the ingress sets its request span's, the request router replaces it with its
     routing decision's, the replica parents its spans on it. It travels inside the pickled
     handle call (Serve carries no context of its own). None when tracing is off."""
+    tenant: str = "anonymous"
+    """The tenant the request's API key names (fair share and quotas count by it)."""
+    priority: int = 0
+    """Lower starts first when the replica is saturated (vLLM's ``priority``)."""
 
     @property
     def prompt(self) -> str:

@@ -88,6 +88,10 @@ class ReplicaCounters:
     heartbeat_mismatches: int = 0
     reaped_replicas: int = 0
     event_gaps: int = 0
+    fair_share_waits: int = 0
+    """Requests that waited for the fair-share gate (the replica was saturated)."""
+    fair_share_waiting: int = 0
+    """Requests waiting for it now."""
 
 
 NO_COUNTERS = ReplicaCounters()

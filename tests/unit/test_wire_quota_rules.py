@@ -69,7 +69,11 @@ def test_a_wait_past_the_window_s_end_is_also_exact() -> None:
 def test_the_concurrency_cap_comes_first_and_a_request_over_the_whole_quota_never_fits() -> None:
     window = QuotaWindow(T0 // WINDOW_MS)
     busy = decide(window, 2, 10, T0, 1_000, 2)
-    assert (busy.limit, busy.retry_after_ms, busy.active) == ("concurrency", CONCURRENCY_RETRY_MS, 2)
+    assert (busy.limit, busy.retry_after_ms, busy.active) == (
+        "concurrency",
+        CONCURRENCY_RETRY_MS,
+        2,
+    )
     assert decide(window, 1, 10, T0, 1_000, 2).admitted
     too_large = decide(window, 0, 1_001, T0, 1_000, 0)
     assert (too_large.limit, too_large.retry_after_ms) == ("too_large", 0)

@@ -261,7 +261,9 @@ def test_a_tenant_over_its_quota_gets_a_429_and_the_router_hears_the_request_end
     keys.write_text("sk-alpha team-a\nsk-beta team-b\n")
     server = replica.server
     server._keys = ApiKeys(keys, ("/health", "/metrics"), 60.0)
-    limits = QuotasConfig(tenants={"team-a": TenantQuota(tokens_per_minute=9)})  # a 5-token prompt fits once
+    limits = QuotasConfig(
+        tenants={"team-a": TenantQuota(tokens_per_minute=9)}
+    )  # a 5-token prompt fits once
     server._quotas = TenantQuotas(limits, MemoryQuotaStore(), 60.0, server._metrics)
     server.progress = progress = _Progress()
     body = {"model": MODEL, "prompt": "alpha beta gamma delta", "max_tokens": 2}

@@ -1,0 +1,143 @@
+"""Fair share when a replica is saturated (issue 17, item 4): which waiting request starts next.
+
+A replica lets requests into its engine while the prompt tokens still to prefill (admitted,
+not yet at their first token) stay under ``prefill_budget_tokens``: about what the engine
+prefills in a step or two, so the engine is never starved and its own queue stays short.
+Past the budget requests wait here, and the next one to start is chosen by:
+
+1. priority (lower first, as vLLM's ``priority``);
+2. the tenant with the least service so far: a virtual token counter per tenant (VTC,
+   Sheng et al., OSDI '24; llm-d's flow control does the same across flows), charged the
+   prompt tokens a request makes the engine compute (its cached prefix is free) when it
+   starts, and ``output_weight`` per generated token when it ends;
+3. arrival order within a tenant.
+
+A tenant that arrives with nothing waiting or running has its counter lifted to the least
+counter among tenants with requests waiting, so idle time is not banked as credit.
+
+Pure: no clock, no I/O. ``replica/fair_gate.py`` puts it in front of the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class FairTicket:
+    """A request asking to start."""
+
+    request_id: str
+    tenant: str
+    priority: int
+    work_tokens: int
+    """Prompt tokens the engine must compute (the prompt less its cached prefix)."""
+
+
+@dataclass(order=True, frozen=True, slots=True)
+class _Queued:
+    priority: int
+    seq: int
+    ticket: FairTicket = field(compare=False)
+
+
+class FairQueue:
+    """Admission order of one replica's engine."""
+
+    def __init__(self, prefill_budget_tokens: int, output_weight: float = 2.0) -> None:
+        if prefill_budget_tokens < 1 or output_weight < 0:
+            raise ValueError("need prefill_budget_tokens >= 1 and output_weight >= 0")
+        self._budget = prefill_budget_tokens
+        self._output_weight = output_weight
+        self._seq = itertools.count()
+        self._waiting: dict[str, list[_Queued]] = {}
+        """Tenant -> its waiting requests, sorted by (priority, arrival)."""
+        self._prefilling: dict[str, int] = {}
+        """Admitted requests not yet at their first token -> their work tokens."""
+        self._prefill_total = 0
+        self._tenant_of: dict[str, str] = {}
+        """Every request here, waiting or admitted -> its tenant."""
+        self._present: dict[str, int] = {}
+        """Tenant -> its requests here, waiting or admitted."""
+        self._counters: dict[str, float] = {}
+        self.waited = 0
+        """Requests that could not start at once (for reports and tests)."""
+
+    # ---- what the replica tells it ---------------------------------------------------------
+
+    def arrive(self, ticket: FairTicket) -> list[str]:
+        """A request wants to start; returns the requests that start now (it, or none)."""
+        if ticket.request_id in self._tenant_of:
+            raise ValueError(f"request {ticket.request_id} is already here")
+        tenant = ticket.tenant
+        if not self._has_requests(tenant):
+            backlogged = [self.counter(t) for t in self._waiting]
+            if backlogged:
+                self._counters[tenant] = max(self.counter(tenant), min(backlogged))
+        self._tenant_of[ticket.request_id] = tenant
+        self._present[tenant] = self._present.get(tenant, 0) + 1
+        queue = self._waiting.setdefault(tenant, [])
+        queue.append(_Queued(ticket.priority, next(self._seq), ticket))
+        queue.sort()
+        started = self._dispatch()
+        if ticket.request_id not in started:
+            self.waited += 1
+        return started
+
+    def first_token(self, request_id: str) -> list[str]:
+        """The request's prefill is done; returns the requests that start now."""
+        self._prefill_total -= self._prefilling.pop(request_id, 0)
+        return self._dispatch()
+
+    def ended(self, request_id: str, output_tokens: int) -> list[str]:
+        """The request ended (or left while waiting); returns the requests that start now."""
+        tenant = self._tenant_of.pop(request_id, None)
+        if tenant is None:
+            return []
+        if self._present[tenant] == 1:
+            del self._present[tenant]
+        else:
+            self._present[tenant] -= 1
+        queue = self._waiting.get(tenant)
+        if queue is not None:
+            queue[:] = [q for q in queue if q.ticket.request_id != request_id]
+            if not queue:
+                del self._waiting[tenant]
+        self._prefill_total -= self._prefilling.pop(request_id, 0)
+        self._counters[tenant] = self.counter(tenant) + output_tokens * self._output_weight
+        return self._dispatch()
+
+    # ---- what it knows ---------------------------------------------------------------------
+
+    def counter(self, tenant: str) -> float:
+        return self._counters.get(tenant, 0.0)
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self._prefill_total
+
+    def _has_requests(self, tenant: str) -> bool:
+        return tenant in self._present
+
+    def _dispatch(self) -> list[str]:
+        started: list[str] = []
+        while self._waiting and (not self._prefilling or self._prefill_total < self._budget):
+            tenant = min(self._waiting, key=self._rank)
+            queue = self._waiting[tenant]
+            ticket = queue.pop(0).ticket
+            if not queue:
+                del self._waiting[tenant]
+            self._prefilling[ticket.request_id] = ticket.work_tokens
+            self._prefill_total += ticket.work_tokens
+            self._counters[tenant] = self.counter(tenant) + ticket.work_tokens
+            started.append(ticket.request_id)
+        return started
+
+    def _rank(self, tenant: str) -> tuple[int, float, int]:
+        head = self._waiting[tenant][0]
+        return (head.priority, self.counter(tenant), head.seq)
