@@ -285,7 +285,13 @@ def build_app(service: ReplicaService) -> FastAPI:
             await host.stop_watching()
             await host.live_engine.shutdown()
 
-    app = FastAPI(title="prefixmesh replica", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(
+        title="prefixmesh replica",
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
+        redirect_slashes=False,
+    )
     install_error_handlers(app)
     app.include_router(engine_routes(host, service.engine_info))
 

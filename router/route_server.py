@@ -61,7 +61,9 @@ from prefixmesh.wire.request_progress import RequestProgress
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 
 logger = logging.getLogger(__name__)
-api = install_error_handlers(FastAPI(title="prefixmesh router", docs_url=None, redoc_url=None))
+api = install_error_handlers(
+    FastAPI(title="prefixmesh router", docs_url=None, redoc_url=None, redirect_slashes=False)
+)
 FALLBACK_REASON = "fallback"
 """A ticket's reason when the router balanced a request whose decision it cut short."""
 TRUNCATED_HEADER = "x-body-truncated"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.wire.openai_protocol import APIError, context_length_exceeded
+from prefixmesh.wire.openai_protocol import APIError, context_length_exceeded, loads
 from prefixmesh.wire.openai_render import sse
 
 REQUEST_TOO_LARGE = "request_too_large"
@@ -100,11 +100,7 @@ async def read_body(request: BodySource, limit: int) -> bytes:
 
 async def read_json(request: BodySource, limit: int) -> Any:
     """A JSON body read within ``limit`` (400 when it is not JSON)."""
-    raw = await read_body(request, limit)
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"malformed JSON body: {exc}") from None
+    return loads(await read_body(request, limit))
 
 
 def _normalizer_keeps_length(normalizer: Mapping[str, Any] | None) -> bool:

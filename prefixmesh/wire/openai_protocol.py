@@ -1,16 +1,20 @@
 """The OpenAI API surface the ingress accepts: request models, and errors as OpenAI JSON.
 
-Status codes: malformed JSON 400; a missing, wrong-typed or out-of-range field 422 (with
-``param`` naming it); an option we do not support (n > 1, logprobs, echo) 400; an unknown model
-404; a prompt that does not fit the context 400 with code ``context_length_exceeded`` and
-``param`` ``prompt`` or ``messages``, as OpenAI answers (the openai SDK raises
-``BadRequestError``). Unknown extra fields are ignored, as vLLM does. The limits checked before
-parsing and tokenizing (body size, ``max_tokens`` cap) are in ``limits.py``.
+Status codes: malformed JSON 400 (an integer past Python's 4,300 digits and nesting past its
+recursion limit included); a string that is not Unicode text (a lone surrogate, ``"\\ud800"``,
+which no tokenizer takes) in a field 400 with ``param`` naming it; a missing, wrong-typed or
+out-of-range field 422 (with ``param`` naming it); an option we do not support (n > 1,
+logprobs, echo) 400; an unknown model 404; a prompt that does not fit the context 400 with code
+``context_length_exceeded`` and ``param`` ``prompt`` or ``messages``, as OpenAI answers (the
+openai SDK raises ``BadRequestError``). Unknown extra fields are ignored, as vLLM does. The
+limits checked before parsing and tokenizing (body size, ``max_tokens`` cap) are in
+``limits.py``.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -96,7 +100,11 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    """vLLM's bound (a 64-bit seed); past it the engine would fail the request."""
+    priority: int | None = None
+    """vLLM's extension: lower starts first when a replica is saturated (``fair_share``);
+    ``wire/priority.py`` bounds it and falls back to the ``x-prefixmesh-priority`` header."""
     ignore_eos: bool = False
     """vLLM's extension: keep generating past the end-of-text token (load tests)."""
     logprobs: Any = None
@@ -187,14 +195,47 @@ class ChatCompletionRequest(_Sampling):
         return self.max_tokens, "max_tokens"
 
 
-def parse_body(raw: bytes, model: type[_Request]) -> Any:
-    """JSON bytes -> a validated request, or an ``APIError`` (400 or 422)."""
+def loads(raw: bytes) -> Any:
+    """A JSON body, or a 400 ``APIError``: not JSON or not UTF-8, an integer longer than Python
+    converts (``sys.get_int_max_str_digits``), nesting past the recursion limit."""
     try:
-        data = json.loads(raw)
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"malformed JSON body: {exc}") from None
+    except ValueError:  # int() past the digit limit
+        digits = sys.get_int_max_str_digits()
+        raise APIError(400, f"malformed JSON body: a number has over {digits} digits") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply") from None
+
+
+def _not_text(value: Any) -> bool:
+    """Whether a JSON value holds a string that is not Unicode text (a lone surrogate)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+    return False
+
+
+def parse_body(raw: bytes, model: type[_Request]) -> Any:
+    """JSON bytes -> a validated request, or an ``APIError`` (400 or 422)."""
+    data = loads(raw)
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    for field in model.model_fields:  # unknown fields are ignored, whatever they hold
+        if field in data and _not_text(data[field]):
+            message = f"{field}: a string is not valid Unicode (a lone surrogate)"
+            raise APIError(400, message, param=field)
     try:
         request = model.model_validate(data)
     except ValidationError as exc:

@@ -102,6 +102,15 @@ async def test_a_body_within_the_limit_is_read_whole() -> None:
     assert caught.value.status == 400
 
 
+@pytest.mark.parametrize("raw", [b"[" * 5000 + b"]" * 5000, b"9" * 5000])
+async def test_json_python_cannot_decode_is_400(raw: bytes) -> None:
+    """Found by fuzzing: deep nesting (``RecursionError``) and an integer past Python's 4,300
+    digits (``ValueError``) were not caught as malformed JSON (a 500)."""
+    with pytest.raises(APIError) as caught:
+        await read_json(_Request([raw]), 20_000)
+    assert caught.value.status == 400
+
+
 # ---- the parsed request ---------------------------------------------------------------------
 
 

@@ -61,6 +61,44 @@ def test_bad_completion_bodies(raw: bytes, status: int, param: str | None) -> No
     assert caught.value.body()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # past 4,300 digits
+        b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # past the recursion limit
+        b"[" * 20000 + b"]" * 20000,
+    ],
+)
+def test_json_python_cannot_decode_is_400_not_a_crash(raw: bytes) -> None:
+    """Found by fuzzing (tests/e2e/test_fuzz.py): ``json.loads`` raises ``ValueError`` for a
+    long integer and ``RecursionError`` for deep nesting, which the replica answered 500."""
+    with pytest.raises(APIError) as caught:
+        parse_body(raw, CompletionRequest)
+    assert (caught.value.status, caught.value.param) == (400, None)
+    assert caught.value.message.startswith("malformed JSON body")
+
+
+def test_a_lone_surrogate_in_a_field_is_400_naming_it() -> None:
+    """Found by fuzzing: JSON's ``"\\ud800"`` decodes to a string the tokenizer refuses with a
+    ``TypeError`` (a 500); it is malformed input. An unknown field may hold one (ignored)."""
+    for raw, model, param in [
+        (b'{"model": "m", "prompt": "a\\ud800"}', CompletionRequest, "prompt"),
+        (b'{"model": "m", "prompt": "a", "stop": ["\\udfff"]}', CompletionRequest, "stop"),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", '
+            b'"text": "\\ud83d"}]}]}',
+            ChatCompletionRequest,
+            "messages",
+        ),
+    ]:
+        with pytest.raises(APIError) as caught:
+            parse_body(raw, model)
+        assert (caught.value.status, caught.value.param) == (400, param)
+        json.dumps(caught.value.body(), ensure_ascii=False).encode()  # renders as UTF-8
+    ok = parse_body(b'{"model": "m", "prompt": "\\ud83d\\ude00", "x\\ud800": 1}', CompletionRequest)
+    assert ok.prompt == "\U0001f600"  # an escaped surrogate pair is one character
+
+
 def test_bad_chat_bodies() -> None:
     for raw, param in [
         (body(model="m", messages=[]), "messages"),
@@ -114,3 +152,13 @@ def test_without_max_tokens_the_rest_of_the_context_up_to_the_cap() -> None:
     with pytest.raises(APIError) as caught:
         chat.engine_sampling(0, None, 64, 2)
     assert (caught.value.status, caught.value.param) == (422, "messages")
+
+
+def test_seed_is_bounded_as_vllm_s_and_priority_is_read() -> None:
+    body = {"model": "m", "prompt": "hi", "seed": 2**64}
+    with pytest.raises(APIError) as raised:
+        parse_body(json.dumps(body).encode(), CompletionRequest)
+    assert (raised.value.status, raised.value.param) == (422, "seed")
+    body = {"model": "m", "prompt": "hi", "seed": 2**64 - 1, "priority": -2}
+    request = parse_body(json.dumps(body).encode(), CompletionRequest)
+    assert (request.seed, request.priority) == (2**64 - 1, -2)
