@@ -68,7 +68,9 @@ from prefixmesh.wire.request_metrics import DirectMetrics
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 
 logger = logging.getLogger(__name__)
-api = install_error_handlers(FastAPI(title="prefixmesh replica", docs_url=None, redoc_url=None))
+api = install_error_handlers(
+    FastAPI(title="prefixmesh replica", docs_url=None, redoc_url=None, redirect_slashes=False)
+)
 
 
 class _LocalStream:

@@ -64,7 +64,9 @@ from prefixmesh.wire.quota import QuotaSlot, TenantQuotas
 from prefixmesh.wire.request_metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
-api = install_error_handlers(FastAPI(title="prefixmesh", docs_url=None, redoc_url=None))
+api = install_error_handlers(
+    FastAPI(title="prefixmesh", docs_url=None, redoc_url=None, redirect_slashes=False)
+)
 
 
 async def _started(generation: Generation) -> tuple[str, str] | None:

@@ -183,6 +183,9 @@ def test_unknown_paths_methods_and_fields_are_openai_json(replica: Replica) -> N
         openai_error(replica.client.get("/v1/nope"), 404)["message"] == "Invalid URL (GET /v1/nope)"
     )
     assert openai_error(replica.client.post("/v1/models"), 405)["code"] == "method_not_allowed"
+    # A trailing slash is an unknown path (not Starlette's 307 to the path without it).
+    slash = replica.client.post("/v1/completions/", follow_redirects=False)
+    assert openai_error(slash, 404)["message"] == "Invalid URL (POST /v1/completions/)"
     assert (
         openai_error(replica.client.get("/v1/completions"), 405)["type"] == "invalid_request_error"
     )
@@ -261,9 +264,8 @@ def test_a_tenant_over_its_quota_gets_a_429_and_the_router_hears_the_request_end
     keys.write_text("sk-alpha team-a\nsk-beta team-b\n")
     server = replica.server
     server._keys = ApiKeys(keys, ("/health", "/metrics"), 60.0)
-    limits = QuotasConfig(
-        tenants={"team-a": TenantQuota(tokens_per_minute=9)}
-    )  # a 5-token prompt fits once
+    # A 5-token prompt fits once in a minute of 9.
+    limits = QuotasConfig(window_s=60, tenants={"team-a": TenantQuota(tokens_per_minute=9)})
     server._quotas = TenantQuotas(limits, MemoryQuotaStore(), 60.0, server._metrics)
     server.progress = progress = _Progress()
     body = {"model": MODEL, "prompt": "alpha beta gamma delta", "max_tokens": 2}

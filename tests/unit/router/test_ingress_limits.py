@@ -186,6 +186,8 @@ def test_unknown_paths_methods_and_fields_are_openai_json(proxy: Ingress) -> Non
         openai_error(proxy.client.get("/v1/nope"), 404)["message"] == "Invalid URL (GET /v1/nope)"
     )
     assert openai_error(proxy.client.delete("/v1/models"), 405)["code"] == "method_not_allowed"
+    slash = proxy.client.get("/v1/models/", follow_redirects=False)  # no 307 to /v1/models
+    assert openai_error(slash, 404)["message"] == "Invalid URL (GET /v1/models/)"
     assert openai_error(proxy.client.get("/v1/chat/completions"), 405)["param"] is None
     assert openai_error(proxy.post({"model": MODEL, "prompt": 3}), 422)["param"] == "prompt"
     bad = {"model": MODEL, "messages": []}
@@ -251,7 +253,7 @@ def test_quotas_on_the_proxy_path_refuse_over_quota_and_settle_the_completion(
     keys.write_text("sk-alpha team-a\n")
     server = proxy.server
     server._keys = ApiKeys(keys, ("/health", "/metrics"), 60.0)
-    limits = QuotasConfig(default=TenantQuota(tokens_per_minute=18))  # two 5-token prompts
+    limits = QuotasConfig(window_s=60, default=TenantQuota(tokens_per_minute=18))  # two 5-token
     server._quotas = TenantQuotas(limits, MemoryQuotaStore(), 60.0, server._metrics)
     alpha = {"Authorization": "Bearer sk-alpha"}
     body = {"model": MODEL, "prompt": "alpha beta gamma delta", "max_tokens": 2}
