@@ -4,7 +4,7 @@ One script a call, so a check and its charge are atomic across processes. The ar
 ``prefixmesh/wire/quota_rules.py``'s, written again in Lua (a parity test runs both). Keys,
 under the registry's hash tag ``P = "{namespace}"``:
 
-- ``P:q:<tenant>``  HASH w (fixed minute index), cur, prev: tokens (PX 2 minutes)
+- ``P:q:<tenant>:<window ms>``  HASH w (fixed window index), cur, prev: tokens (PX 2 windows)
 - ``P:qa:<tenant>`` ZSET request id -> lease end (ms): the tenant's running requests; an entry
                     whose process died without settling leaves when its lease ends
 
@@ -20,14 +20,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from prefixmesh.cache_registry.redis_connection import RedisEndpoint
-from prefixmesh.wire.quota_rules import LIMIT_CODES, WINDOW_MS, Admission
+from prefixmesh.wire.quota_rules import LIMIT_CODES, Admission
 
 _ROLL = """
 local P, tenant, rid = ARGV[1], ARGV[2], ARGV[3]
 local now = tonumber(ARGV[4])
 local tokens = tonumber(ARGV[5])
-local W = WINDOW_PLACEHOLDER
-local wk = P .. ':q:' .. tenant
+local W = tonumber(ARGV[6])
+local wk = P .. ':q:' .. tenant .. ':' .. W
 local ak = P .. ':qa:' .. tenant
 local stored = redis.call('HMGET', wk, 'w', 'cur', 'prev')
 local win = math.floor(now / W)
@@ -42,22 +42,24 @@ local function save()
   redis.call('HSET', wk, 'w', win, 'cur', cur, 'prev', prev)
   redis.call('PEXPIRE', wk, 2 * W)
 end
-""".replace("WINDOW_PLACEHOLDER", str(WINDOW_MS))
+"""
 
 ADMIT = (
     _ROLL
     + """
-local tpm = tonumber(ARGV[6])
-local concurrent = tonumber(ARGV[7])
-local lease = tonumber(ARGV[8])
+local tpm = tonumber(ARGV[7])
+local concurrent = tonumber(ARGV[8])
+local lease = tonumber(ARGV[9])
 local used = prev * (1 - frac) + cur
 redis.call('ZREMRANGEBYSCORE', ak, '-inf', now)
 local active = redis.call('ZCARD', ak)
 local used_floor = math.floor(used)
 if concurrent > 0 and active >= concurrent then return {2, 1000, used_floor, active} end
 if tpm > 0 and tokens > tpm then return {3, 0, used_floor, active} end
-if tpm > 0 and used + tokens > tpm then
-  local room = tpm - tokens
+local allowed = tpm * W / 60000
+if tpm > 0 and used > 0 and used + tokens > allowed then
+  local room = allowed - tokens
+  if room < 0 then room = 0 end
   local retry
   if cur > room then
     retry = math.ceil((1 - frac) * W + (1 - room / cur) * W)
@@ -116,14 +118,17 @@ class RedisQuotaStore:
         tokens_per_minute: int,
         concurrent_requests: int,
         lease_ms: int,
+        window_ms: int,
     ) -> Admission:
-        args: list[Any] = [self._prefix, tenant, request_id, now_ms, tokens]
+        args: list[Any] = [self._prefix, tenant, request_id, now_ms, tokens, window_ms]
         args += [tokens_per_minute, concurrent_requests, lease_ms]
         code, retry, used, active = await self._admit(args=args)
         return Admission(LIMIT_CODES[int(code)], int(retry), int(used), int(active))
 
-    async def settle(self, tenant: str, request_id: str, tokens: int, now_ms: int) -> None:
-        await self._settle(args=[self._prefix, tenant, request_id, now_ms, tokens])
+    async def settle(
+        self, tenant: str, request_id: str, tokens: int, now_ms: int, window_ms: int
+    ) -> None:
+        await self._settle(args=[self._prefix, tenant, request_id, now_ms, tokens, window_ms])
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -396,9 +396,10 @@ class FairShareConfig(_Section):
     replica and start by priority, then the tenant with the least service (a virtual token
     counter), instead of in arrival order."""
     prefill_budget_tokens: int = Field(default=4096, ge=1)
-    """Prompt tokens (less their cached prefix) admitted to the engine and not yet at their
-    first token, past which requests wait: about two of the engine's steps (vLLM's
-    ``max_num_batched_tokens`` is 2048 on small devices), so it is never starved."""
+    """Prompt tokens (less their cached prefix) of the admitted requests not yet at their first
+    token that a request must fit under to start (alone, any prompt starts): about two of the
+    engine's steps (vLLM's ``max_num_batched_tokens`` is 2048 on small devices), so the engine
+    is never starved; smaller lets a request that jumps the queue wait behind less."""
     output_weight: float = Field(default=2.0, ge=0)
     """What a generated token costs a tenant's counter, a prompt token costing 1 (VTC's)."""
 
@@ -562,8 +563,9 @@ class TenantQuota(_Section):
     """One tenant's limits; 0 means no limit."""
 
     tokens_per_minute: int = Field(default=0, ge=0)
-    """Prompt plus completion tokens in any sliding minute. A request is admitted while the
-    tenant's minute has room for its prompt; its completion is counted when it ends."""
+    """Prompt plus completion tokens a minute, counted over a sliding ``quotas.window_s``. A
+    request is admitted while the tenant's window has room for its prompt; its completion is
+    counted when it ends."""
     concurrent_requests: int = Field(default=0, ge=0)
     """Requests of the tenant running at once in the whole cluster."""
 
@@ -580,6 +582,11 @@ class QuotasConfig(_Section):
     """Every tenant not named in ``tenants``."""
     tenants: dict[str, TenantQuota] = {}
     """Limits of named tenants, over ``default``."""
+    window_s: float = Field(default=10.0, ge=1, le=60)
+    """The sliding window quotas are counted over; it allows its share of a minute's tokens
+    (``tokens_per_minute * window_s / 60``), so a tenant spreads its minute instead of spending
+    it at once (60: the whole minute may come in a burst). A request larger than that share is
+    let in when the tenant's window is empty."""
     fail_closed: bool = False
     """When the quota store cannot answer in ``store_timeout_ms``: False lets the request in
     (counted in ``prefixmesh_quota_store_errors_total``), True refuses it with a 503."""

@@ -1,8 +1,9 @@
 """Fair share when a replica is saturated (issue 17, item 4): which waiting request starts next.
 
-A replica lets requests into its engine while the prompt tokens still to prefill (admitted,
-not yet at their first token) stay under ``prefill_budget_tokens``: about what the engine
-prefills in a step or two, so the engine is never starved and its own queue stays short.
+A replica lets a request into its engine when its prompt tokens, with those of the admitted
+requests not yet at their first token, fit in ``prefill_budget_tokens`` (a prompt larger than
+the budget goes alone): about what the engine prefills in a step or two, so the engine is never
+starved and a request let in later waits behind little.
 Past the budget requests wait here, and the next one to start is chosen by:
 
 1. priority (lower first, as vLLM's ``priority``);
@@ -10,7 +11,9 @@ Past the budget requests wait here, and the next one to start is chosen by:
    Sheng et al., OSDI '24; llm-d's flow control does the same across flows), charged the
    prompt tokens a request makes the engine compute (its cached prefix is free) when it
    starts, and ``output_weight`` per generated token when it ends;
-3. arrival order within a tenant.
+3. on equal counters, the tenant with fewer requests waiting (one returning from idle is
+   lifted to the busiest one's counter, below);
+4. arrival order.
 
 A tenant that arrives with nothing waiting or running has its counter lifted to the least
 counter among tenants with requests waiting, so idle time is not banked as credit.
@@ -126,9 +129,14 @@ class FairQueue:
 
     def _dispatch(self) -> list[str]:
         started: list[str] = []
-        while self._waiting and (not self._prefilling or self._prefill_total < self._budget):
+        while self._waiting:
             tenant = min(self._waiting, key=self._rank)
             queue = self._waiting[tenant]
+            # The next in fair order starts when it fits (alone, a prompt past the budget);
+            # none behind it skips ahead, so a long prompt is never starved by short ones.
+            work = queue[0].ticket.work_tokens
+            if self._prefilling and self._prefill_total + work > self._budget:
+                break
             ticket = queue.pop(0).ticket
             if not queue:
                 del self._waiting[tenant]
@@ -138,6 +146,8 @@ class FairQueue:
             started.append(ticket.request_id)
         return started
 
-    def _rank(self, tenant: str) -> tuple[int, float, int]:
-        head = self._waiting[tenant][0]
-        return (head.priority, self.counter(tenant), head.seq)
+    def _rank(self, tenant: str) -> tuple[int, float, int, int]:
+        # On equal counters (a tenant just lifted to the backlog's) the shorter backlog first:
+        # a tenant returning from idle waits behind no request of the one that kept sending.
+        queue = self._waiting[tenant]
+        return (queue[0].priority, self.counter(tenant), len(queue), queue[0].seq)

@@ -137,6 +137,8 @@ def replica_trace(request: GenerateRequest, replica_id: str) -> NoTrace:
             "prefixmesh.request_id": request.request_id,
             "prefixmesh.replica": replica_id,
             "prefixmesh.prompt_tokens": len(request.prompt_token_ids),
+            "prefixmesh.tenant": request.tenant,
+            "prefixmesh.priority": request.priority,
         }
     )
     if request.routed_to and request.routed_to != replica_id:

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from prefixmesh.config import PrefixmeshConfig, QuotasConfig
 from prefixmesh.wire.openai_protocol import APIError
-from prefixmesh.wire.quota_rules import WINDOW_MS, Admission, QuotaWindow, decide
+from prefixmesh.wire.quota_rules import Admission, QuotaWindow, decide
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +44,12 @@ class QuotaStore(Protocol):
         tokens_per_minute: int,
         concurrent_requests: int,
         lease_ms: int,
+        window_ms: int,
     ) -> Admission: ...
 
-    async def settle(self, tenant: str, request_id: str, tokens: int, now_ms: int) -> None: ...
+    async def settle(
+        self, tenant: str, request_id: str, tokens: int, now_ms: int, window_ms: int
+    ) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -63,11 +66,11 @@ class MemoryQuotaStore:
     """``QuotaStore`` in the process (the ``memory`` registry: one server counts)."""
 
     def __init__(self) -> None:
-        self._windows: dict[str, QuotaWindow] = {}
+        self._windows: dict[tuple[str, int], QuotaWindow] = {}
         self._active: dict[str, dict[str, int]] = {}
 
-    def _rolled(self, tenant: str, now_ms: int) -> QuotaWindow:
-        window = self._windows.get(tenant) or QuotaWindow(now_ms // WINDOW_MS)
+    def _rolled(self, tenant: str, now_ms: int, window_ms: int) -> QuotaWindow:
+        window = self._windows.get((tenant, window_ms)) or QuotaWindow.empty(now_ms, window_ms)
         return window.rolled(now_ms)
 
     def _running(self, tenant: str, now_ms: int) -> dict[str, int]:
@@ -85,21 +88,25 @@ class MemoryQuotaStore:
         tokens_per_minute: int,
         concurrent_requests: int,
         lease_ms: int,
+        window_ms: int,
     ) -> Admission:
-        window = self._rolled(tenant, now_ms)
+        window = self._rolled(tenant, now_ms, window_ms)
         running = self._running(tenant, now_ms)
         admission = decide(
             window, len(running), tokens, now_ms, tokens_per_minute, concurrent_requests
         )
         if admission.admitted:
-            self._windows[tenant] = window.charged(tokens)
+            self._windows[tenant, window_ms] = window.charged(tokens)
             if concurrent_requests:
                 running[request_id] = now_ms + lease_ms
         return admission
 
-    async def settle(self, tenant: str, request_id: str, tokens: int, now_ms: int) -> None:
+    async def settle(
+        self, tenant: str, request_id: str, tokens: int, now_ms: int, window_ms: int
+    ) -> None:
         if tokens > 0:
-            self._windows[tenant] = self._rolled(tenant, now_ms).charged(tokens)
+            rolled = self._rolled(tenant, now_ms, window_ms)
+            self._windows[tenant, window_ms] = rolled.charged(tokens)
         self._active.get(tenant, {}).pop(request_id, None)
 
     async def close(self) -> None:
@@ -143,8 +150,8 @@ def rate_limited(tenant: str, admission: Admission, tokens: int, limits: QuotasC
     else:
         message = (
             f"Rate limit reached for tenant {tenant} on tokens per min (TPM): "
-            f"Limit {quota.tokens_per_minute}, Used {admission.used_tokens}, "
-            f"Requested {tokens}."
+            f"Limit {quota.tokens_per_minute}, Used {admission.used_tokens} in the last "
+            f"{limits.window_s:g}s, Requested {tokens}."
         )
     headers: dict[str, str] = {}
     if admission.retry_after_ms:
@@ -172,6 +179,7 @@ class TenantQuotas:
         self._metrics = metrics
         self._clock = clock
         self._timeout_s = limits.store_timeout_ms / 1000
+        self._window_ms = round(limits.window_s * 1000)
         self._settling: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -202,6 +210,7 @@ class TenantQuotas:
                     quota.tokens_per_minute,
                     quota.concurrent_requests,
                     self._lease_ms,
+                    self._window_ms,
                 ),
                 self._timeout_s,
             )
@@ -227,7 +236,9 @@ class TenantQuotas:
         self._metrics.tenant_tokens(slot.tenant, "completion", completion_tokens)
         try:
             await asyncio.wait_for(
-                self._store.settle(slot.tenant, slot.request_id, completion_tokens, self._now_ms()),
+                self._store.settle(
+                    slot.tenant, slot.request_id, completion_tokens, self._now_ms(), self._window_ms
+                ),
                 self._timeout_s,
             )
         except Exception as exc:

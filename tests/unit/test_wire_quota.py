@@ -18,7 +18,7 @@ from prefixmesh.wire.quota import (
     MemoryQuotaStore,
     TenantQuotas,
 )
-from prefixmesh.wire.quota_rules import WINDOW_MS, Admission
+from prefixmesh.wire.quota_rules import MINUTE_MS, Admission
 
 
 class Recorded:
@@ -41,13 +41,14 @@ class Recorded:
 
 class Clock:
     def __init__(self) -> None:
-        self.now_s = 1_000 * WINDOW_MS / 1000  # the start of a fixed minute
+        self.now_s = 1_000 * MINUTE_MS / 1000  # the start of a fixed minute
 
     def __call__(self) -> float:
         return self.now_s
 
 
 LIMITS = QuotasConfig(
+    window_s=60,  # a whole minute: these tests count minutes
     default=TenantQuota(tokens_per_minute=1_000),
     tenants={"small": TenantQuota(tokens_per_minute=100, concurrent_requests=1)},
 )
@@ -69,7 +70,7 @@ async def test_a_tenant_over_its_minute_gets_a_429_with_retry_after_and_others_d
         await gate.admit("team-a", "a4", 1)
     error = raised.value
     assert (error.status, error.code, error.error_type) == (429, RATE_LIMITED, "tokens")
-    assert "Limit 1000, Used 1000, Requested 1" in error.message
+    assert "Limit 1000, Used 1000 in the last 60s, Requested 1" in error.message
     assert int(error.headers["retry-after-ms"]) > 0
     response = error_response(error)
     assert response.status_code == 429 and response.headers["retry-after"] == "61"
@@ -103,6 +104,19 @@ async def test_a_request_larger_than_the_whole_quota_is_told_so_without_a_wait()
     assert raised.value.status == 429 and "Request too large" in raised.value.message
     assert "retry-after" not in raised.value.headers
     assert metrics.refused == {("small", "too_large"): 1}
+
+
+async def test_the_default_window_spreads_a_tenant_s_minute() -> None:
+    """10 s windows: a minute's 600 tokens come 100 at a time, not all at once."""
+    limits = QuotasConfig(default=TenantQuota(tokens_per_minute=600))
+    gate, _, clock = quotas(limits)
+    await gate.admit("t", "r0", 60)
+    await gate.admit("t", "r1", 40)
+    with pytest.raises(APIError) as raised:
+        await gate.admit("t", "r2", 10)
+    assert "Used 100 in the last 10s" in raised.value.message
+    clock.now_s += int(raised.value.headers["retry-after-ms"]) / 1000
+    await gate.admit("t", "r2", 10)
 
 
 async def test_a_slot_whose_server_never_settled_frees_when_its_lease_ends() -> None:

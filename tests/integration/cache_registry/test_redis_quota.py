@@ -16,11 +16,11 @@ from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.config import QuotasConfig, TenantQuota
 from prefixmesh.wire.openai_protocol import APIError
 from prefixmesh.wire.quota import MemoryQuotaStore, TenantQuotas
-from prefixmesh.wire.quota_rules import WINDOW_MS
+from prefixmesh.wire.quota_rules import MINUTE_MS
 from tests.unit.test_wire_quota import Recorded
 
 pytestmark = pytest.mark.redis
-T0 = 29_000_000 * WINDOW_MS
+T0 = 29_000_000 * MINUTE_MS
 
 
 @pytest.fixture
@@ -40,18 +40,19 @@ async def test_the_script_decides_as_the_in_process_store(
     now = T0 + 123
     running: list[tuple[str, str]] = []
     decided: list[str] = []
-    for i in range(400):
+    for i in range(600):
         now += rng.choice((0, 7, 250, 1_500, 9_000, 45_000))
         tenant = rng.choice(("a", "b"))
+        window_ms = (10_000, 60_000)[i % 2]
         if running and rng.random() < 0.4:
             who, request_id = running.pop(rng.randrange(len(running)))
             tokens = rng.randrange(0, 300)
-            await redis_store.settle(who, request_id, tokens, now)
-            await memory.settle(who, request_id, tokens, now)
+            await redis_store.settle(who, request_id, tokens, now, window_ms)
+            await memory.settle(who, request_id, tokens, now, window_ms)
             continue
         request_id, tokens = f"r{i}", rng.randrange(1, 700)
         limits = (1_000, 3) if tenant == "a" else (2_500, 0)
-        args = (tenant, request_id, tokens, now, *limits, 30_000)
+        args = (tenant, request_id, tokens, now, *limits, 30_000, window_ms)
         in_redis = await redis_store.admit(*args)
         in_memory = await memory.admit(*args)
         assert in_redis == in_memory, (i, now, args)
@@ -63,7 +64,7 @@ async def test_the_script_decides_as_the_in_process_store(
 
 
 async def test_two_servers_share_one_tenant_s_minute(stores: list[RedisQuotaStore]) -> None:
-    limits = QuotasConfig(default=TenantQuota(tokens_per_minute=100))
+    limits = QuotasConfig(window_s=60, default=TenantQuota(tokens_per_minute=100))
     first, second = (TenantQuotas(limits, s, 60.0, Recorded()) for s in stores)
     await first.admit("team-a", "r1", 60)
     with pytest.raises(APIError) as raised:

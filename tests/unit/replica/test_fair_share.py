@@ -17,18 +17,26 @@ def ticket(request_id: str, tenant: str, work: int = 100, priority: int = 0) -> 
     return FairTicket(request_id, tenant, priority, work)
 
 
-def test_requests_start_at_once_under_the_budget_and_wait_past_it() -> None:
+def test_requests_start_while_they_fit_in_the_budget_and_wait_past_it() -> None:
     queue = FairQueue(prefill_budget_tokens=250)
     assert queue.arrive(ticket("h1", "heavy")) == ["h1"]
     assert queue.arrive(ticket("h2", "heavy")) == ["h2"]
-    assert queue.arrive(ticket("h3", "heavy")) == ["h3"]  # 200 < 250: still room
+    assert queue.arrive(ticket("h3", "heavy")) == []  # 300 would not fit in 250
     assert queue.arrive(ticket("h4", "heavy")) == []
-    assert (queue.waiting, queue.prefill_tokens, queue.waited) == (1, 300, 1)
-    assert queue.arrive(ticket("h5", "heavy")) == []
-    # Admitted while under the budget: 200 prefilling after h1's first token.
-    assert queue.first_token("h1") == ["h4"]
-    assert queue.first_token("h2") == ["h5"]
+    assert (queue.waiting, queue.prefill_tokens, queue.waited) == (2, 200, 2)
+    assert queue.first_token("h1") == ["h3"]
+    assert queue.first_token("h2") == ["h4"]
     assert queue.ended("h1", 10) == []  # decoding requests take no budget
+    assert queue.prefill_tokens == 200
+
+
+def test_the_next_in_fair_order_is_not_skipped_for_a_smaller_one_that_fits() -> None:
+    queue = FairQueue(prefill_budget_tokens=250)
+    queue.arrive(ticket("a0", "a", work=200))
+    queue.arrive(ticket("b0", "b", work=200))  # waits: 400 > 250
+    queue.arrive(ticket("a1", "a", work=10))  # would fit, but b (less service) is next
+    assert queue.waiting == 2
+    assert queue.first_token("a0") == ["b0", "a1"]
 
 
 def test_a_light_tenant_goes_ahead_of_a_heavy_tenant_s_backlog() -> None:
@@ -37,11 +45,12 @@ def test_a_light_tenant_goes_ahead_of_a_heavy_tenant_s_backlog() -> None:
     for i in range(1, 6):
         assert queue.arrive(ticket(f"h{i}", "heavy")) == []
     assert queue.arrive(ticket("l0", "light")) == []
-    # The light tenant's counter was lifted to the heavy tenant's (100): ties go by arrival,
-    # so h1 (waiting longer) starts first, then l0 ahead of the rest of heavy's backlog.
-    assert queue.first_token("h0") == ["h1"]
-    assert queue.first_token("h1") == ["l0"]
-    assert queue.first_token("l0") == ["h2"]
+    # The light tenant's counter was lifted to the heavy tenant's (100): on the tie the
+    # shorter backlog goes first, so l0 starts next, then heavy's backlog in order.
+    assert queue.counter("light") == queue.counter("heavy") == 100
+    assert queue.first_token("h0") == ["l0"]
+    assert queue.first_token("l0") == ["h1"]
+    assert queue.first_token("h1") == ["h2"]
 
 
 def test_an_idle_tenant_banks_no_credit() -> None:
@@ -52,8 +61,8 @@ def test_an_idle_tenant_banks_no_credit() -> None:
     assert queue.counter("heavy") == 100
     queue.arrive(ticket("late", "newcomer"))
     assert queue.counter("newcomer") == 100  # lifted to the least backlogged counter
-    queue.first_token("h0")
-    assert queue.counter("heavy") == 200 and queue.waiting == 2
+    assert queue.first_token("h0") == ["late"]
+    assert (queue.counter("newcomer"), queue.counter("heavy"), queue.waiting) == (200, 100, 2)
 
 
 def test_priority_comes_before_the_counters_and_output_is_weighted() -> None:

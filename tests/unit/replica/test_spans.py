@@ -62,7 +62,15 @@ def _server(engine: _Engine) -> ReplicaServer:
 
 
 def _request(hold: HoldInstruction | None = None) -> GenerateRequest:
-    return GenerateRequest("cmpl-1", tuple(range(2 * 128 + 3)), KEY, SamplingSettings(3), hold=hold)
+    return GenerateRequest(
+        "cmpl-1",
+        tuple(range(2 * 128 + 3)),
+        KEY,
+        SamplingSettings(3),
+        hold=hold,
+        tenant="team-a",
+        priority=-1,
+    )
 
 
 async def _drain(server: ReplicaServer, request: GenerateRequest) -> list[Any]:
@@ -104,6 +112,8 @@ async def test_generate_spans_are_children_of_the_route_span(memory: None) -> No
         "prefixmesh.request_id": "cmpl-1",
         "prefixmesh.replica": "replica-a",
         "prefixmesh.prompt_tokens": 259,
+        "prefixmesh.tenant": "team-a",
+        "prefixmesh.priority": -1,
         "prefixmesh.hold": True,
         "prefixmesh.hold_s": pytest.approx(0.0, abs=0.05),
         "prefixmesh.hold_blocks": 2,
