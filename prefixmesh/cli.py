@@ -55,6 +55,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixmesh.loadtest.cache_sim_cli",
         "replay a trace or workload through the hierarchical cache policies: hit rate, writes",
     ),
+    "tenant-bench": (
+        "prefixmesh.loadtest.bench.tenants",
+        "two tenants on the sim cluster: fair share and quotas against running alone",
+    ),
     "stream-bench": (
         "prefixmesh.loadtest.bench.stream",
         "streamed completions: client-side gaps between events next to the engine's own",
