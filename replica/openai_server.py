@@ -196,7 +196,7 @@ class ReplicaHTTPServer(ReplicaServer):
         generate = dataclasses.replace(
             self._request(ticket, chat, tuple(ids), key, sampling, context),
             tenant=tenant,
-            priority=request_priority(request.headers, getattr(body, "priority", None)),
+            priority=request_priority(request.headers, body.priority),
         )
         slot = await self._admit(tenant, generate.request_id, len(ids))
         # TTFT counts from when the request entered the cluster (the router's clock).

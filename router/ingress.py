@@ -160,9 +160,10 @@ class IngressServer:
             limits.admit(body)  # a prompt that cannot fit is not tokenized
             deadline = limits.deadline((time.time_ns() - arrived_ns) / 1e9)
             ids, max_tokens = await self._encoder.prompt_of(body, chat=chat)
+            priority = request_priority(request.headers, body.priority)
             request_id = new_request_id(chat)
+            # Last before the response: an admitted request is settled when it ends.
             slot = await self._quotas.admit(tenant, request_id, len(ids)) if self._quotas else None
-            priority = request_priority(request.headers, getattr(body, "priority", None))
             return await self._respond(
                 body,
                 ids,

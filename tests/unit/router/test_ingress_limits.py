@@ -263,6 +263,11 @@ def test_quotas_on_the_proxy_path_refuse_over_quota_and_settle_the_completion(
     ) as response:
         assert response.status_code == 200
         assert [line for line in response.iter_lines() if line][-1] == "data: [DONE]"
+    # A bad priority is refused before the quota is charged (a 400 left its prompt counted).
+    bad = proxy.client.post(
+        "/v1/completions", json=body, headers={**alpha, "x-prefixmesh-priority": "high"}
+    )
+    assert openai_error(bad, 400)["param"] == "priority"
     # 5 + 2 + 5 + 2 = 14 used: a third 5-token prompt does not fit in 18.
     refused = proxy.client.post("/v1/completions", json=body, headers=alpha)
     assert openai_error(refused, 429)["code"] == "rate_limit_exceeded"
