@@ -234,6 +234,9 @@ class TenantQuotas:
     async def settle(self, slot: QuotaSlot, completion_tokens: int) -> None:
         """Count the completion and free the slot (a failure is counted, never raised)."""
         self._metrics.tenant_tokens(slot.tenant, "completion", completion_tokens)
+        quota = self._limits.limit_of(slot.tenant)
+        if not (quota.tokens_per_minute or quota.concurrent_requests):
+            return  # admitted without the store: nothing there to settle
         try:
             await asyncio.wait_for(
                 self._store.settle(

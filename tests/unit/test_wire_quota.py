@@ -160,8 +160,10 @@ async def test_fail_closed_answers_503_when_the_store_fails() -> None:
 async def test_a_tenant_without_limits_is_not_checked_but_its_tokens_are_counted() -> None:
     limits = QuotasConfig(tenants={"small": TenantQuota(tokens_per_minute=100)})
     gate, metrics, _ = quotas(limits, BrokenStore())
-    await gate.admit("free", "f0", 10**6)
+    slot = await gate.admit("free", "f0", 10**6)
+    await gate.settle(slot, 7)
     assert metrics.store_errors == 0 and metrics.tokens[("free", "prompt")] == 10**6
+    assert metrics.tokens[("free", "completion")] == 7
 
 
 def test_quotas_are_off_by_default_and_set_per_tenant_from_overrides() -> None:
