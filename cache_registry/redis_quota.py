@@ -20,7 +20,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from prefixmesh.cache_registry.redis_connection import RedisEndpoint
-from prefixmesh.wire.quota_rules import LIMIT_CODES, Admission
+from prefixmesh.wire.quota_rules import LIMIT_CODES, Admission, QuotaAsk
 
 _ROLL = """
 local P, tenant, rid = ARGV[1], ARGV[2], ARGV[3]
@@ -109,19 +109,9 @@ class RedisQuotaStore:
         self._admit = self._redis.register_script(ADMIT)
         self._settle = self._redis.register_script(SETTLE)
 
-    async def admit(
-        self,
-        tenant: str,
-        request_id: str,
-        tokens: int,
-        now_ms: int,
-        tokens_per_minute: int,
-        concurrent_requests: int,
-        lease_ms: int,
-        window_ms: int,
-    ) -> Admission:
-        args: list[Any] = [self._prefix, tenant, request_id, now_ms, tokens, window_ms]
-        args += [tokens_per_minute, concurrent_requests, lease_ms]
+    async def admit(self, ask: QuotaAsk) -> Admission:
+        args: list[Any] = [self._prefix, ask.tenant, ask.request_id, ask.now_ms, ask.tokens]
+        args += [ask.window_ms, ask.tokens_per_minute, ask.concurrent_requests, ask.lease_ms]
         code, retry, used, active = await self._admit(args=args)
         return Admission(LIMIT_CODES[int(code)], int(retry), int(used), int(active))
 

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from prefixmesh.config import PrefixmeshConfig, QuotasConfig
 from prefixmesh.wire.openai_protocol import APIError
-from prefixmesh.wire.quota_rules import Admission, QuotaWindow, decide
+from prefixmesh.wire.quota_rules import Admission, QuotaAsk, QuotaWindow, decide
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +35,7 @@ without settling frees it then)."""
 
 
 class QuotaStore(Protocol):
-    async def admit(
-        self,
-        tenant: str,
-        request_id: str,
-        tokens: int,
-        now_ms: int,
-        tokens_per_minute: int,
-        concurrent_requests: int,
-        lease_ms: int,
-        window_ms: int,
-    ) -> Admission: ...
+    async def admit(self, ask: QuotaAsk) -> Admission: ...
 
     async def settle(
         self, tenant: str, request_id: str, tokens: int, now_ms: int, window_ms: int
@@ -79,26 +69,21 @@ class MemoryQuotaStore:
             del running[request_id]
         return running
 
-    async def admit(
-        self,
-        tenant: str,
-        request_id: str,
-        tokens: int,
-        now_ms: int,
-        tokens_per_minute: int,
-        concurrent_requests: int,
-        lease_ms: int,
-        window_ms: int,
-    ) -> Admission:
-        window = self._rolled(tenant, now_ms, window_ms)
-        running = self._running(tenant, now_ms)
+    async def admit(self, ask: QuotaAsk) -> Admission:
+        window = self._rolled(ask.tenant, ask.now_ms, ask.window_ms)
+        running = self._running(ask.tenant, ask.now_ms)
         admission = decide(
-            window, len(running), tokens, now_ms, tokens_per_minute, concurrent_requests
+            window,
+            len(running),
+            ask.tokens,
+            ask.now_ms,
+            ask.tokens_per_minute,
+            ask.concurrent_requests,
         )
         if admission.admitted:
-            self._windows[tenant, window_ms] = window.charged(tokens)
-            if concurrent_requests:
-                running[request_id] = now_ms + lease_ms
+            self._windows[ask.tenant, ask.window_ms] = window.charged(ask.tokens)
+            if ask.concurrent_requests:
+                running[ask.request_id] = ask.now_ms + ask.lease_ms
         return admission
 
     async def settle(
@@ -203,14 +188,16 @@ class TenantQuotas:
         try:
             admission = await asyncio.wait_for(
                 self._store.admit(
-                    tenant,
-                    request_id,
-                    prompt_tokens,
-                    self._now_ms(),
-                    quota.tokens_per_minute,
-                    quota.concurrent_requests,
-                    self._lease_ms,
-                    self._window_ms,
+                    QuotaAsk(
+                        tenant,
+                        request_id,
+                        prompt_tokens,
+                        self._now_ms(),
+                        quota.tokens_per_minute,
+                        quota.concurrent_requests,
+                        self._lease_ms,
+                        self._window_ms,
+                    )
                 ),
                 self._timeout_s,
             )

@@ -81,6 +81,22 @@ def wait_ms(window: QuotaWindow, room: float, now_ms: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class QuotaAsk:
+    """One request asking a quota store to start: who, how many prompt tokens, when, and the
+    tenant's limits (0: none)."""
+
+    tenant: str
+    request_id: str
+    tokens: int
+    now_ms: int
+    tokens_per_minute: int
+    concurrent_requests: int
+    lease_ms: int
+    """How long its concurrency slot lasts if it is never settled (its server died)."""
+    window_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class Admission:
     """What a quota check decided for one request."""
 

@@ -18,7 +18,7 @@ from prefixmesh.wire.quota import (
     MemoryQuotaStore,
     TenantQuotas,
 )
-from prefixmesh.wire.quota_rules import MINUTE_MS, Admission
+from prefixmesh.wire.quota_rules import MINUTE_MS, Admission, QuotaAsk
 
 
 class Recorded:
@@ -131,7 +131,7 @@ class BrokenStore(MemoryQuotaStore):
         super().__init__()
         self.hang = hang
 
-    async def admit(self, *args: object) -> Admission:  # type: ignore[override]
+    async def admit(self, ask: QuotaAsk) -> Admission:
         if self.hang:
             await asyncio.sleep(3600)
         raise ConnectionError("redis down")

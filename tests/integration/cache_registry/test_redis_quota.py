@@ -16,7 +16,7 @@ from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.config import QuotasConfig, TenantQuota
 from prefixmesh.wire.openai_protocol import APIError
 from prefixmesh.wire.quota import MemoryQuotaStore, TenantQuotas
-from prefixmesh.wire.quota_rules import MINUTE_MS
+from prefixmesh.wire.quota_rules import MINUTE_MS, QuotaAsk
 from tests.unit.test_wire_quota import Recorded
 
 pytestmark = pytest.mark.redis
@@ -52,10 +52,10 @@ async def test_the_script_decides_as_the_in_process_store(
             continue
         request_id, tokens = f"r{i}", rng.randrange(1, 700)
         limits = (1_000, 3) if tenant == "a" else (2_500, 0)
-        args = (tenant, request_id, tokens, now, *limits, 30_000, window_ms)
-        in_redis = await redis_store.admit(*args)
-        in_memory = await memory.admit(*args)
-        assert in_redis == in_memory, (i, now, args)
+        ask = QuotaAsk(tenant, request_id, tokens, now, *limits, 30_000, window_ms)
+        in_redis = await redis_store.admit(ask)
+        in_memory = await memory.admit(ask)
+        assert in_redis == in_memory, (i, ask)
         decided.append(in_redis.limit or "admitted")
         if in_redis.admitted:
             running.append((tenant, request_id))
