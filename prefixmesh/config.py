@@ -491,6 +491,10 @@ class ServingConfig(_Section):
     route_budget_share: float = Field(default=0.5, gt=0, lt=1)
     """Share of ``router_timeout_s`` a routing call may take before it answers with a
     load-balanced choice."""
+    proxy_ready_timeout_s: float = Field(default=30.0, gt=0)
+    """How long Serve waits for a node's proxy (HAProxy and its manager actor) to start before
+    it kills and restarts it (``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S``). Ray's 5 s is too short
+    on a loaded machine: ``serve.start`` then fails on the proxy it killed."""
     routers_per_node: int = Field(default=1, ge=1)
     """Router replicas beside each HAProxy (``RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE``: Ray
     pins the router deployment to the proxy nodes and ignores its ``num_replicas``). HAProxy

@@ -38,6 +38,7 @@ def haproxy_environment(
     run = Path(run_dir)
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(serving.proxy_ready_timeout_s),
         "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
         "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_TIMEOUT_S": str(serving.router_timeout_s),
         "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE": str(serving.routers_per_node),
