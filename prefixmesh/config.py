@@ -573,6 +573,10 @@ class TenantQuota(_Section):
     concurrent_requests: int = Field(default=0, ge=0)
     """Requests of the tenant running at once in the whole cluster."""
 
+    @property
+    def limited(self) -> bool:
+        return bool(self.tokens_per_minute or self.concurrent_requests)
+
 
 class QuotasConfig(_Section):
     """Token quotas per tenant (``prefixmesh/wire/quota.py``): off while every limit is 0.
@@ -600,7 +604,7 @@ class QuotasConfig(_Section):
     @property
     def enabled(self) -> bool:
         limits = (self.default, *self.tenants.values())
-        return any(q.tokens_per_minute or q.concurrent_requests for q in limits)
+        return any(q.limited for q in limits)
 
     def limit_of(self, tenant: str) -> TenantQuota:
         return self.tenants.get(tenant, self.default)

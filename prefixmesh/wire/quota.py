@@ -182,7 +182,7 @@ class TenantQuotas:
         """The request's slot; raises a 429 over quota, a 503 when the store fails closed."""
         quota = self._limits.limit_of(tenant)
         slot = QuotaSlot(tenant, request_id)
-        if not (quota.tokens_per_minute or quota.concurrent_requests):
+        if not quota.limited:
             self._metrics.tenant_tokens(tenant, "prompt", prompt_tokens)
             return slot
         try:
@@ -221,8 +221,7 @@ class TenantQuotas:
     async def settle(self, slot: QuotaSlot, completion_tokens: int) -> None:
         """Count the completion and free the slot (a failure is counted, never raised)."""
         self._metrics.tenant_tokens(slot.tenant, "completion", completion_tokens)
-        quota = self._limits.limit_of(slot.tenant)
-        if not (quota.tokens_per_minute or quota.concurrent_requests):
+        if not self._limits.limit_of(slot.tenant).limited:
             return  # admitted without the store: nothing there to settle
         try:
             await asyncio.wait_for(
