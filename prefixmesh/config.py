@@ -30,6 +30,8 @@ REDIS_URL_ENV = "PREFIXMESH_REDIS_URL"
 every process at the head's Redis); read only by ``load_config``."""
 REDIS_PASSWORD_ENV = "PREFIXMESH_REDIS_PASSWORD"
 """Default of ``registry.redis_password_env``: the variable holding the Redis password."""
+API_KEYS_ENV = "PREFIXMESH_API_KEYS"
+"""Default of ``auth.api_keys_env``: the variable holding API keys."""
 REDIS_SCHEMES = ("redis", "rediss")
 _WITH_SECRETS = "prefixmesh.with_secrets"
 """Serialization context key under which a JSON dump carries the Redis password."""
@@ -37,6 +39,17 @@ _WITH_SECRETS = "prefixmesh.with_secrets"
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+def _dump_secret(secret: SecretStr | None, info: SerializationInfo) -> SecretStr | str | None:
+    """How a secret setting dumps: masked in Python dumps, left out (null) of JSON dumps except
+    ``process_json``'s, which carries it to the cluster's own processes."""
+    if secret is None or not info.mode_is_json():
+        return secret
+    context = info.context
+    if isinstance(context, Mapping) and context.get(_WITH_SECRETS):
+        return secret.get_secret_value()
+    return None  # a report or a file written from a dump never carries it
 
 
 class CacheConfig(_Section):
@@ -104,12 +117,7 @@ class RegistryConfig(_Section):
     def _dump_password(
         self, password: SecretStr | None, info: SerializationInfo
     ) -> SecretStr | str | None:
-        if password is None or not info.mode_is_json():
-            return password  # Python dumps keep the masked SecretStr
-        context = info.context
-        if isinstance(context, Mapping) and context.get(_WITH_SECRETS):
-            return password.get_secret_value()
-        return None  # a report or a file written from a dump never carries it
+        return _dump_secret(password, info)
 
     @model_validator(mode="after")
     def _check_redis(self) -> RegistryConfig:
@@ -551,16 +559,29 @@ class LimitsConfig(_Section):
 
 
 class AuthConfig(_Section):
-    """API keys (``prefixmesh/wire/auth.py``): off unless ``api_keys_file`` is set."""
+    """API keys (``prefixmesh/wire/auth.py``): off unless ``api_keys_file`` or the variable
+    ``api_keys_env`` names is set."""
 
     api_keys_file: str | None = None
     """A file of ``<key> <tenant>`` lines (a key may be stored as ``sha256:<hex>``), read again
     when it changes; every OpenAI endpoint then wants ``Authorization: Bearer <key>`` (401
     otherwise). Every node must see it (a mounted Kubernetes Secret fits). None: no keys."""
+    api_keys_env: str = Field(default=API_KEYS_ENV, min_length=1)
+    """Name of the environment variable holding keys too (a Kubernetes Secret's ``env``):
+    ``<key> <tenant>`` entries, or bare keys (tenant ``default``, like vLLM's ``--api-key``),
+    separated by newlines or commas; hashed keys as in the file. Read at start only; unset
+    or empty: none. With either source set, every OpenAI endpoint wants a key."""
+    api_keys: SecretStr | None = None
+    """The variable's keys, resolved by ``load_config`` (refused in files and overrides);
+    masked and dumped like ``registry.redis_password``."""
     open_paths: tuple[str, ...] = ("/health", "/metrics")
     """Paths that need no key (probes and scrapers)."""
     reload_interval_s: float = Field(default=1.0, gt=0)
     """How often a server checks whether the keys file changed."""
+
+    @field_serializer("api_keys")
+    def _dump_keys(self, keys: SecretStr | None, info: SerializationInfo) -> SecretStr | str | None:
+        return _dump_secret(keys, info)
 
 
 class TenantQuota(_Section):
@@ -907,6 +928,24 @@ def resolve_registry_environment(
     return {**data, "registry": registry}, password
 
 
+def resolve_auth_environment(
+    data: Mapping[str, Any], environ: Mapping[str, str]
+) -> tuple[dict[str, Any], str | None]:
+    """The API keys in the variable ``auth.api_keys_env`` names (the one place it is read);
+    keys in the settings themselves (a file, ``--set``) are refused."""
+    given = data.get("auth", {})
+    if not isinstance(given, Mapping):
+        return dict(data), None  # validation names the mistake
+    auth = dict(given)
+    name = auth.get("api_keys_env") or API_KEYS_ENV
+    if auth.pop("api_keys", None) is not None:
+        raise ValueError(
+            f"auth.api_keys is read from the environment (${name}), never from a config file "
+            "or an override: use auth.api_keys_file for a file"
+        )
+    return {**data, "auth": auth}, environ.get(str(name)) or None
+
+
 def process_json(config: PrefixmeshConfig) -> str:
     """The config as JSON for the cluster's own processes (the Serve deployments' arguments):
     the one dump that carries the Redis password (``model_dump_json`` leaves it out)."""
@@ -920,8 +959,8 @@ def load_config(
 ) -> PrefixmeshConfig:
     """Defaults <- YAML file (``path``, else $PREFIXMESH_CONFIG, else none) <- overrides <- the
     registry's environment ($PREFIXMESH_REDIS_URL, the password: see
-    ``resolve_registry_environment``). ``environ``: the environment to read (default: the
-    process's)."""
+    ``resolve_registry_environment``) and the API keys' (``resolve_auth_environment``).
+    ``environ``: the environment to read (default: the process's)."""
     env = os.environ if environ is None else environ
     data: dict[str, Any] = {}
     source = path or env.get(CONFIG_ENV)
@@ -935,8 +974,13 @@ def load_config(
     else:
         data = merge_overrides(data, overrides)
     data, password = resolve_registry_environment(data, env)
+    data, api_keys = resolve_auth_environment(data, env)
     config = PrefixmeshConfig.model_validate(data)
-    if password is None:
-        return config
-    registry = config.registry.model_copy(update={"redis_password": SecretStr(password)})
-    return config.model_copy(update={"registry": registry})
+    # Secrets are laid in after validation, so no validation error can print them.
+    if password is not None:
+        registry = config.registry.model_copy(update={"redis_password": SecretStr(password)})
+        config = config.model_copy(update={"registry": registry})
+    if api_keys is not None:
+        auth = config.auth.model_copy(update={"api_keys": SecretStr(api_keys)})
+        config = config.model_copy(update={"auth": auth})
+    return config

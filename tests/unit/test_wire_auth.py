@@ -78,3 +78,51 @@ def test_keys_are_off_by_default_and_a_bad_file_stops_the_start(tmp_path: Path) 
     config = load_config(overrides=[f"auth.api_keys_file={bad}"])
     with pytest.raises(ValueError, match="line 1"):
         ApiKeys.from_config(config)
+
+
+def test_keys_from_the_environment_count_with_the_file_and_bare_ones_are_default(
+    tmp_path: Path,
+) -> None:
+    environ = {"PREFIXMESH_API_KEYS": f"sk-solo, sk-ops ops\n{key_digest('sk-ci')} ci"}
+    keys = ApiKeys.from_config(load_config(environ=environ))
+    assert keys is not None and keys.path is None
+    for key, tenant in [("sk-solo", "default"), ("sk-ops", "ops"), ("sk-ci", "ci")]:
+        assert keys.check({"authorization": f"Bearer {key}"}) == tenant
+    path = keys_file(tmp_path, "sk-alpha team-a\n")
+    both = load_config(overrides=[f"auth.api_keys_file={path}"], environ=environ)
+    keys = ApiKeys.from_config(both)
+    assert keys is not None
+    assert keys.check({"authorization": "Bearer sk-alpha"}) == "team-a"
+    assert keys.check({"authorization": "Bearer sk-solo"}) == "default"
+    # Another variable, named in the config.
+    named = load_config(overrides=["auth.api_keys_env=MY_KEYS"], environ={"MY_KEYS": "sk-m m"})
+    keys = ApiKeys.from_config(named)
+    assert keys is not None and keys.check({"authorization": "Bearer sk-m"}) == "m"
+
+
+def test_bad_environment_keys_stop_the_start_without_showing_them(tmp_path: Path) -> None:
+    environ = {"PREFIXMESH_API_KEYS": "sk-secret-one a b"}
+    with pytest.raises(ValueError, match=r"\$PREFIXMESH_API_KEYS, entry 1") as raised:
+        ApiKeys.from_config(load_config(environ=environ))
+    assert "sk-secret-one" not in str(raised.value)
+    # A key in both the file and the variable is refused (which tenant would it name?).
+    path = keys_file(tmp_path, "sk-x file-tenant\n")
+    config = load_config(
+        overrides=[f"auth.api_keys_file={path}"], environ={"PREFIXMESH_API_KEYS": "sk-x env"}
+    )
+    with pytest.raises(ValueError, match="also in the environment"):
+        ApiKeys.from_config(config)
+
+
+def test_environment_keys_never_come_from_a_file_and_travel_only_in_the_process_json(
+    tmp_path: Path,
+) -> None:
+    from prefixmesh.config import PrefixmeshConfig, process_json
+
+    with pytest.raises(ValueError, match="read from the environment"):
+        load_config(overrides={"auth": {"api_keys": "sk-x"}}, environ={})
+    config = load_config(environ={"PREFIXMESH_API_KEYS": "sk-travel t"})
+    assert "sk-travel" not in repr(config) and "sk-travel" not in config.model_dump_json()
+    again = PrefixmeshConfig.model_validate_json(process_json(config))
+    assert again.auth.api_keys is not None
+    assert again.auth.api_keys.get_secret_value() == "sk-travel t"
