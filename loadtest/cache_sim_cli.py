@@ -15,6 +15,10 @@ ratio) and Belady, the offline policy that knows the whole replay (``share_of_be
 once here (``future_uses``), before any policy runs. ``--policies all`` runs every policy,
 ``--policies default`` the configured ``kvcache.policy``, which the JSON names
 (``default_policy``).
+
+``--lookahead N1,N2,...`` adds, for every online row, one row per N where the policy also sees
+the N requests after the running one (``Lookahead``: a backlog of N at the router and in the
+engine's waiting queue: its blocks go last, the one needed furthest ahead first).
 """
 
 from __future__ import annotations
@@ -51,8 +55,10 @@ from prefixmesh.replica.kvcache.policy import (
     BeladyPolicy,
     CachePolicy,
     FutureUses,
+    Lookahead,
     LRUPolicy,
     ManualClock,
+    RequestQueue,
     make_policy,
 )
 
@@ -73,6 +79,10 @@ TRACE_BLOCK_TOKENS: dict[TraceFormat, int] = {
 
 def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
 
 
 def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
@@ -133,6 +143,14 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
         f"(kvcache.policy={BELADY}: the offline reference)",
     )
     parser.add_argument(
+        "--lookahead",
+        type=_ints,
+        default=[],
+        metavar="N1,N2,...",
+        help="also run every online policy seeing the next N queued requests (Lookahead)",
+    )
+
+    parser.add_argument(
         "--max-turn", type=int, default=8, help="turns above this share one category"
     )
     parser.add_argument("--config", type=Path, help="prefixmesh YAML config (kvcache section)")
@@ -150,6 +168,9 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
         parser.error("--capacity-fraction values must be > 0")
     if any(r < 0 for r in args.lower_tiers):
         parser.error("--lower-tiers values must be >= 0")
+    if any(n <= 0 for n in args.lookahead):
+        parser.error("--lookahead values must be > 0")
+
     return args
 
 
@@ -274,11 +295,17 @@ class RowSpec:
     """Config settings of the row."""
     belady: bool = False
     """The offline reference instead of the configured ``kvcache.policy``."""
+    lookahead: int = 0
+    """Queued requests the policy sees (``Lookahead``); 0: none."""
 
     @property
     def settings(self) -> list[str]:
-        """What the row runs, as config settings (the report's ``variants``)."""
-        return [*self.overrides, f"kvcache.policy={BELADY}"] if self.belady else self.overrides
+        """What the row runs, as config settings (the report's ``variants``), and its
+        lookahead."""
+        settings = [*self.overrides, f"kvcache.policy={BELADY}"] if self.belady else self.overrides
+        if not self.lookahead:
+            return settings
+        return [*settings, f"lookahead={self.lookahead}"]
 
 
 def policy_names(text: str, default_policy: str) -> list[str]:
@@ -298,6 +325,19 @@ def policy_names(text: str, default_policy: str) -> list[str]:
 
 
 def variants(args: argparse.Namespace, default_policy: str) -> list[RowSpec]:
+    """The rows to run: ``--variant``s or ``--policies``, then each online one again per
+    ``--lookahead``."""
+    rows = _base_variants(args, default_policy)
+    looking = [
+        RowSpec(f"{row.label}+look{n}", row.overrides, lookahead=n)
+        for n in args.lookahead
+        for row in rows
+        if not row.belady
+    ]
+    return [*rows, *looking]
+
+
+def _base_variants(args: argparse.Namespace, default_policy: str) -> list[RowSpec]:
     if args.variants:
         rows = []
         for label, *overrides in args.variants:
@@ -321,20 +361,31 @@ def make_row_policy(
     capacities: tuple[int, ...],
     future: FutureUses,
     clock: ManualClock,
-) -> CachePolicy:
+) -> tuple[CachePolicy, RequestQueue | None]:
+    """The row's policy, and what it is told of queued requests (with ``--lookahead``)."""
     if spec.belady:
-        return BeladyPolicy(future, capacities)
-    return make_policy(
+        return BeladyPolicy(future, capacities), None
+    policy = make_policy(
         config.kvcache.policy, config.kvcache, clock=clock, block_tokens=replay.block_tokens
     )
+    if spec.lookahead:
+        looking = Lookahead(policy)
+        return looking, looking
+    return policy, None
 
 
 def run_policy(
-    replay: Replay, policy: CachePolicy, capacities: tuple[int, ...], clock: ManualClock
+    replay: Replay,
+    policy: CachePolicy,
+    capacities: tuple[int, ...],
+    clock: ManualClock,
+    queue: RequestQueue | None = None,
+    lookahead: int = 0,
 ) -> tuple[CacheSimResult, float]:
-    """One replay on empty tiers; the result and the seconds it took."""
+    """One replay on empty tiers; the result and the seconds it took. ``queue`` is told of
+    the ``lookahead`` requests after the running one."""
     started = time.perf_counter()
-    result = TieredCacheSim(capacities, policy, clock).run(replay.requests)
+    result = TieredCacheSim(capacities, policy, clock).run(replay.requests, queue, lookahead)
     return result, time.perf_counter() - started
 
 
@@ -484,8 +535,8 @@ def main(argv: list[str], prog: str = "cache-sim") -> int:
         for spec in specs:
             config = load_config(args.config, [*args.set, *spec.overrides])
             clock = ManualClock()
-            policy = make_row_policy(spec, config, replay, sizes, future, clock)
-            result, wall_s = run_policy(replay, policy, sizes, clock)
+            policy, queue = make_row_policy(spec, config, replay, sizes, future, clock)
+            result, wall_s = run_policy(replay, policy, sizes, clock, queue, spec.lookahead)
             done.setdefault(policy.name, result)
             ran.append((spec, result, wall_s))
         refs = reference_rates(replay, sizes, future, done)

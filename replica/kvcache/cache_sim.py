@@ -35,6 +35,7 @@ from prefixmesh.replica.kvcache.policy.base import (
     ManualClock,
 )
 from prefixmesh.replica.kvcache.policy.belady import NEVER, FutureUses
+from prefixmesh.replica.kvcache.policy.lookahead import RequestQueue
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +172,26 @@ class TieredCacheSim:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def run(self, requests: Iterable[CacheRequest]) -> CacheSimResult:
-        for request in requests:
+    def run(
+        self,
+        requests: Iterable[CacheRequest],
+        queue: RequestQueue | None = None,
+        lookahead: int = 0,
+    ) -> CacheSimResult:
+        """Replay ``requests`` in order. With ``queue``, the ``lookahead`` requests after the
+        one running are reported queued to it (a backlog of that many at the router and in the
+        engine's waiting queue); a request is reported started just before it runs."""
+        if queue is None or lookahead <= 0:
+            for request in requests:
+                self.access(request)
+            return self.result()
+        replay = list(requests)
+        next_queued = 0
+        for index, request in enumerate(replay):
+            while next_queued < len(replay) and next_queued <= index + lookahead:
+                queue.queued(next_queued, replay[next_queued].blocks)
+                next_queued += 1
+            queue.started(index)
             self.access(request)
         return self.result()
 

@@ -17,6 +17,7 @@ from prefixmesh.replica.kvcache.policy.base import (
 )
 from prefixmesh.replica.kvcache.policy.belady import NEVER, BeladyPolicy, FutureUses
 from prefixmesh.replica.kvcache.policy.hotprefix import HotPrefixPolicy
+from prefixmesh.replica.kvcache.policy.lookahead import DEFAULT_MAX_QUEUED, Lookahead, RequestQueue
 from prefixmesh.replica.kvcache.policy.simple import LFUPolicy, LRUPolicy
 from prefixmesh.replica.kvcache.policy.workload import ReuseFit, WorkloadAwarePolicy
 
@@ -43,6 +44,7 @@ def make_policy(
 
 
 __all__ = [
+    "DEFAULT_MAX_QUEUED",
     "ENGINE_TIER",
     "NEVER",
     "POLICY_NAMES",
@@ -54,8 +56,10 @@ __all__ = [
     "HotPrefixPolicy",
     "LFUPolicy",
     "LRUPolicy",
+    "Lookahead",
     "ManualClock",
     "Promotion",
+    "RequestQueue",
     "ReuseFit",
     "WorkloadAwarePolicy",
     "make_policy",

@@ -202,3 +202,24 @@ def test_no_share_of_a_gain_too_small_to_divide() -> None:
     assert refs.vs_lru(0.55) == pytest.approx(1.1)
     assert cache_sim_cli.References(lru=0.5, belady=0.6).share_of_gain(0.55) == pytest.approx(0.5)
     assert cache_sim_cli.References(lru=0.0, belady=0.1).vs_lru(0.05) is None
+
+
+def test_lookahead_adds_a_row_per_online_policy_and_queue_length(tmp_path: Path) -> None:
+    trace, out = write(tmp_path / "abc.jsonl", TEXTBOOK), tmp_path / "out.json"
+    argv = [
+        "--trace", str(trace), "--capacity-blocks", "2", "--policies", "lru,workload,belady",
+        "--lookahead", "1,3", "--json", str(out),
+    ]  # fmt: skip
+    assert cache_sim_cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in report["results"]}
+    assert list(rows) == [
+        "lru", "workload", "belady", "lru+look1", "workload+look1", "lru+look3", "workload+look3",
+    ]  # fmt: skip
+    assert report["variants"]["lru+look3"] == ["kvcache.policy=lru", "lookahead=3"]
+    # One queued request is enough to reach Belady here (test_lookahead.py); LRU stays LRU.
+    assert rows["lru"]["hit_rate"] == pytest.approx(1 / 6, abs=1e-6)
+    for label in ("lru+look1", "lru+look3", "workload+look1"):
+        assert rows[label]["share_of_belady_gain"] == pytest.approx(1.0), label
+    with pytest.raises(SystemExit):
+        cache_sim_cli.main(["--trace", str(trace), "--capacity-blocks", "2", "--lookahead", "0"])

@@ -1,0 +1,122 @@
+"""Lookahead (issue 18): the queued requests' blocks are kept, the one needed furthest ahead
+goes first when all are needed, needed blocks go down a tier, and nothing is pinned."""
+
+from __future__ import annotations
+
+import random
+
+from prefixmesh.cache_registry.types import BlockHash
+from prefixmesh.config import HotPrefixConfig
+from prefixmesh.replica.kvcache.cache_sim import CacheRequest, TieredCacheSim
+from prefixmesh.replica.kvcache.policy import (
+    BlockRef,
+    HotPrefixPolicy,
+    Lookahead,
+    LRUPolicy,
+)
+
+
+def blocks(*ids: int) -> tuple[BlockHash, ...]:
+    return tuple(BlockHash(i) for i in ids)
+
+
+def req(*ids: int) -> CacheRequest:
+    return CacheRequest(blocks(*ids))
+
+
+def chain(*ids: int) -> list[BlockRef]:
+    hashes = blocks(*ids)
+    return [BlockRef(b, hashes[i - 1] if i else None, i) for i, b in enumerate(hashes)]
+
+
+def test_an_unneeded_block_goes_before_a_needed_one_whatever_lru_says() -> None:
+    policy = Lookahead(LRUPolicy())
+    for ref in chain(1, 2):
+        policy.on_insert(0, ref)
+    policy.on_insert(0, BlockRef(BlockHash(7), None, 0))
+    assert LRUPolicy().name == "lru" and policy.name == "lru+lookahead"
+    assert policy.victim(0, set()) == BlockHash(1)  # plain LRU: the oldest chain's head
+    policy.queued("r1", blocks(1))
+    assert policy.needed(BlockHash(1)) and policy.queued_requests == 1
+    assert policy.victim(0, set()) == BlockHash(2)  # 1 is needed; 2 is LRU among the rest
+    assert policy.victim(0, {BlockHash(2), BlockHash(7)}) == BlockHash(1)  # nothing else left
+    policy.started("r1")
+    assert not policy.needed(BlockHash(1)) and policy.queued_requests == 0
+
+
+def test_all_needed_the_first_use_furthest_ahead_goes_deepest_first() -> None:
+    policy = Lookahead(LRUPolicy())
+    for ref in chain(1, 2, 3):
+        policy.on_insert(0, ref)
+    policy.on_insert(0, BlockRef(BlockHash(9), None, 0))
+    policy.queued("a", blocks(9))
+    policy.queued("b", blocks(1, 2, 3))
+    assert policy.first_use(BlockHash(9)) == 0 and policy.first_use(BlockHash(3)) == 1
+    assert policy.victim(0, set()) == BlockHash(3)  # b's tail: furthest ahead, deepest
+    policy.on_remove(0, BlockHash(3), dropped=True)
+    assert policy.victim(0, set()) == BlockHash(2)
+    assert policy.victim(0, {BlockHash(2)}) == BlockHash(1)
+    policy.queued("c", blocks(9))  # 9's first use stays a's
+    policy.started("a")  # now c's, after b's: 9 goes first
+    assert policy.first_use(BlockHash(9)) == 2
+    assert policy.victim(0, set()) == BlockHash(9)
+
+
+def test_a_needed_block_goes_down_a_tier_even_when_the_policy_admits_nothing() -> None:
+    hot = HotPrefixPolicy(HotPrefixConfig(), block_tokens=16)
+    policy = Lookahead(hot)
+    policy.on_insert(0, BlockRef(BlockHash(5), None, 0))
+    policy.on_insert(1, BlockRef(BlockHash(6), None, 0))
+    assert not hot.admit(1, BlockHash(5), BlockHash(6))  # cold: HotPrefix keeps it out
+    policy.queued("r", blocks(5))
+    assert policy.admit(1, BlockHash(5), BlockHash(6))
+    policy.queued("s", blocks(6))  # the block it would displace is needed sooner? no: later
+    assert policy.admit(1, BlockHash(5), BlockHash(6))
+    policy.started("r")
+    policy.queued("t", blocks(5))  # now 6 (s) is needed before 5 (t)
+    assert not policy.admit(1, BlockHash(5), BlockHash(6))
+
+
+def test_the_queue_is_bounded_and_repeated_or_unknown_ids_change_nothing() -> None:
+    policy = Lookahead(LRUPolicy(), max_queued=2)
+    policy.queued("a", blocks(1))
+    policy.queued("a", blocks(2))
+    policy.queued("b", blocks(3))
+    policy.queued("c", blocks(4))  # over the bound: not tracked
+    assert policy.queued_requests == 2
+    assert [policy.needed(BlockHash(i)) for i in (1, 2, 3, 4)] == [True, False, True, False]
+    policy.started("zzz")
+    policy.started("a")
+    policy.started("a")
+    assert policy.queued_requests == 1 and not policy.needed(BlockHash(1))
+
+
+TEXTBOOK = [req(1), req(2), req(3), req(1), req(2), req(1)]
+
+
+def test_in_the_simulator_a_queue_of_one_reaches_belady_on_the_textbook_trace() -> None:
+    lru = TieredCacheSim((2,), LRUPolicy()).run(TEXTBOOK)
+    looking = Lookahead(LRUPolicy())
+    ahead = TieredCacheSim((2,), looking).run(TEXTBOOK, looking, lookahead=1)
+    assert (lru.hits, ahead.hits) == (1, 2)  # Belady's 2 of 6 (test_belady.py)
+    assert looking.queued_requests == 0  # every queued request started
+
+
+def test_a_queue_longer_than_the_cache_pins_nothing_and_keeps_the_tiers_whole() -> None:
+    rng = random.Random(3)
+    requests = []
+    for _ in range(300):
+        root = rng.randrange(6)
+        requests.append(req(*(100 * root + d for d in range(rng.randrange(1, 6)))))
+    for capacities in ((4,), (6, 3), (3, 2, 2)):
+        looking = Lookahead(LRUPolicy())
+        sim = TieredCacheSim(capacities, looking)
+        result = sim.run(requests, looking, lookahead=50)
+        assert result.requests == 300
+        for tier, capacity in enumerate(capacities):
+            assert sim.size(tier) <= capacity
+        for tier in range(len(capacities)):
+            for block in sim.blocks_in(tier):
+                depth = int(block) % 100
+                if depth:  # its parent is held somewhere: whole chains only
+                    assert sim.tier_of(BlockHash(int(block) - 1)) is not None
