@@ -366,7 +366,11 @@ def make_row_policy(
     if spec.belady:
         return BeladyPolicy(future, capacities), None
     policy = make_policy(
-        config.kvcache.policy, config.kvcache, clock=clock, block_tokens=replay.block_tokens
+        config.kvcache.policy,
+        config.kvcache,
+        clock=clock,
+        block_tokens=replay.block_tokens,
+        capacities=capacities,
     )
     if spec.lookahead:
         looking = Lookahead(policy)

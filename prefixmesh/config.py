@@ -741,11 +741,25 @@ class WorkloadAwareConfig(_Section):
     """Last-access records kept, including blocks no tier holds (to measure their reuse)."""
 
 
+class AdaptiveConfig(_Section):
+    """The ``adaptive`` policy (``replica/kvcache/policy/adaptive.py``): the candidates run side
+    by side, each on a shadow cache of the same size, and the one that would have hit most
+    lately decides."""
+
+    candidates: tuple[Literal["lru", "lfu", "hotprefix", "workload"], ...] = Field(
+        default=("lru", "hotprefix", "lfu"), min_length=1
+    )
+    """In order of preference on a tie (the first leads until another scores more)."""
+    half_life_requests: float = Field(default=200.0, gt=0)
+    """Requests after which a shadow's hit counts half: how fast the leader follows a change
+    of workload."""
+
+
 class KVCacheConfig(_Section):
     """The replicas' hierarchical prefix cache: which policy manages the tiers, and its
     parameters (paper defaults where the paper gives one)."""
 
-    policy: Literal["lru", "lfu", "hotprefix", "workload"] = "lru"
+    policy: Literal["lru", "lfu", "hotprefix", "workload", "adaptive"] = "lru"
     """Eviction / admission / promotion policy of every tier. LRU by default: no other policy
     beats it on the Mooncake trace or the synthetic workloads (docs/BENCHMARKS.md, issue 18),
     and HotPrefix at its defaults admits a block only after 10 uses, so behind the router (a
@@ -755,6 +769,8 @@ class KVCacheConfig(_Section):
     """Settings of the ``hotprefix`` policy."""
     workload: WorkloadAwareConfig = WorkloadAwareConfig()
     """Settings of the ``workload`` (workload-aware) policy."""
+    adaptive: AdaptiveConfig = AdaptiveConfig()
+    """Settings of the ``adaptive`` policy."""
     cpu_tier_gib: float = Field(default=0.0, ge=0)
     """CPU-memory tier under each vLLM replica's own KV cache (our KV connector; pinned memory
     on CUDA machines), per tensor-parallel rank: each rank keeps its shard of every block.

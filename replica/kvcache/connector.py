@@ -241,7 +241,11 @@ class _SchedulerSide:
         self._prefill_rate = PrefillRateMeter(prefill_tokens_per_s, min_tokens=2 * page_tokens)
         self._clock = ManualClock()
         policy = make_policy(
-            settings.policy, settings, clock=self._clock, block_tokens=connector._block_size
+            settings.policy,
+            settings,
+            clock=self._clock,
+            block_tokens=connector._block_size,
+            capacities=(capacity[Tier.CPU], capacity[Tier.DISK]),
         )
         self.planner = TierPlanner(policy, capacity, costs, share=shared_blocks > 0)
         self._shared: SharedDirIndex | None = None

@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import partial
+
 from prefixmesh.config import KVCacheConfig
 from prefixmesh.replica.kvcache.policy.base import (
     ENGINE_TIER,
@@ -21,17 +24,37 @@ from prefixmesh.replica.kvcache.policy.lookahead import DEFAULT_MAX_QUEUED, Look
 from prefixmesh.replica.kvcache.policy.simple import LFUPolicy, LRUPolicy
 from prefixmesh.replica.kvcache.policy.workload import ReuseFit, WorkloadAwarePolicy
 
-POLICY_NAMES: tuple[str, ...] = ("lru", "lfu", "hotprefix", "workload")
+POLICY_NAMES: tuple[str, ...] = ("lru", "lfu", "hotprefix", "workload", "adaptive")
 
 
 def make_policy(
-    name: str, config: KVCacheConfig, *, clock: Clock, block_tokens: int
+    name: str,
+    config: KVCacheConfig,
+    *,
+    clock: Clock,
+    block_tokens: int,
+    capacities: Sequence[int] = (),
 ) -> CachePolicy:
     """A fresh policy called ``name`` for one cache hierarchy, set up from ``config``.
 
     ``clock`` is its only source of time; ``block_tokens`` is the tokens per block (HotPrefix's
-    length term).
+    length term); ``capacities`` the sizes of the tiers it manages, in blocks (the adaptive
+    policy's shadows; without them its first candidate decides alone).
     """
+    if name == "adaptive":
+        # Imported here: its shadows are simulators, and the simulator imports this package.
+        from prefixmesh.replica.kvcache.policy.adaptive import AdaptivePolicy
+
+        settings = config.adaptive
+        return AdaptivePolicy(
+            [
+                (candidate, partial(make_policy, candidate, config, clock=clock,
+                                    block_tokens=block_tokens))
+                for candidate in settings.candidates
+            ],
+            capacities,
+            settings.half_life_requests,
+        )  # fmt: skip
     if name == "lru":
         return LRUPolicy()
     if name == "lfu":
