@@ -503,6 +503,10 @@ class ServingConfig(_Section):
     """How long Serve waits for a node's proxy (HAProxy and its manager actor) to start before
     it kills and restarts it (``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S``). Ray's 5 s is too short
     on a loaded machine: ``serve.start`` then fails on the proxy it killed."""
+    replica_drain_s: float = Field(default=30.0, ge=0)
+    """How long a stopping replica keeps serving behind HAProxy before it refuses connections
+    (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``, Ray's 30 s): the time for every
+    HAProxy to drop it from its pool. Deleting or redeploying the app waits this long."""
     routers_per_node: int = Field(default=1, ge=1)
     """Router replicas beside each HAProxy (``RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE``: Ray
     pins the router deployment to the proxy nodes and ignores its ``num_replicas``). HAProxy

@@ -39,6 +39,7 @@ def haproxy_environment(
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(serving.proxy_ready_timeout_s),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(serving.replica_drain_s),
         "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
         "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_TIMEOUT_S": str(serving.router_timeout_s),
         "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE": str(serving.routers_per_node),

@@ -10,9 +10,14 @@ import pytest
 from prefixmesh.config import ServingConfig
 from prefixmesh.local_ray import configure_environment, stop_haproxy
 
+TEST_REPLICA_DRAIN_S = 2.0
+"""``serving.replica_drain_s`` in tests: Ray's 30 s drain held every e2e module's app
+deletion 31 s (6 of CI's 27 minutes); on one machine HAProxy drops a stopping replica at
+once, and retries a refused connection."""
+
 # Ray must listen and dial on 127.0.0.1 only (DESIGN.md §7), and Serve reads its HAProxy
 # settings (the direct path) at import: set before any test imports ray.
-HAPROXY_RUN_DIR = configure_environment(ServingConfig())
+HAPROXY_RUN_DIR = configure_environment(ServingConfig(replica_drain_s=TEST_REPLICA_DRAIN_S))
 
 from prefixmesh.cache_registry.redis_server import LocalRedisServer  # noqa: E402
 

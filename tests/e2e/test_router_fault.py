@@ -46,6 +46,7 @@ import pytest
 from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.config import load_config
 from prefixmesh.local_ray import haproxy_environment, haproxy_router_pool, stop_haproxy
+from tests.conftest import TEST_REPLICA_DRAIN_S
 from tests.e2e.conftest import Cluster, Deploy
 from tests.e2e.test_faults import DOCUMENTS, MODEL, LoadRun, Outcome, metric, write_report
 
@@ -84,6 +85,7 @@ def two_routers() -> Iterator[Front]:
         "registry.backend=redis",
         f"registry.redis_url={redis.url}",
         "serving.routers_per_node=2",
+        f"serving.replica_drain_s={TEST_REPLICA_DRAIN_S}",
         f"ingress.port={port}",
         f"ray.temp_dir={temp_dir}",
         "ray.num_cpus=2",

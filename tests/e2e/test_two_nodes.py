@@ -44,6 +44,7 @@ from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import load_config
 from prefixmesh.local_ray import haproxy_environment, stop_haproxy
 from prefixmesh.wire.openai_render import UNROUTED
+from tests.conftest import TEST_REPLICA_DRAIN_S
 from tests.e2e.test_faults import MODEL, LoadRun, wait_until, write_report
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
@@ -57,6 +58,7 @@ APP_SETTINGS = (
     f"replica.resources={{{WORKER_RESOURCE}: 1}}",
     "registry.backend=redis",
     "serving.proxy_location=HeadOnly",
+    f"serving.replica_drain_s={TEST_REPLICA_DRAIN_S}",
     # HAProxy on the head reaches each replica's own HTTP server at its node's address: Serve
     # binds them all on ingress.host, so a cluster needs 0.0.0.0 (manifests/serve/gpu.yaml).
     # On 127.0.0.1 the worker nodes' replicas are unreachable, HAProxy marks them down and
