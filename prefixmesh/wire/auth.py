@@ -140,6 +140,8 @@ class ApiKeys:
                 raise ValueError(
                     f"API keys in ${auth.api_keys_env}, entry {exc.line}: {exc.reason}"
                 ) from exc
+            if not environment_keys:  # set, but to separators or comments: every request a 401
+                raise ValueError(f"${auth.api_keys_env} is set but holds no API key")
         path = None if auth.api_keys_file is None else Path(os.path.expanduser(auth.api_keys_file))
         return cls(
             path, tuple(auth.open_paths), auth.reload_interval_s, environment_keys=environment_keys

@@ -105,6 +105,8 @@ def test_bad_environment_keys_stop_the_start_without_showing_them(tmp_path: Path
     with pytest.raises(ValueError, match=r"\$PREFIXMESH_API_KEYS, entry 1") as raised:
         ApiKeys.from_config(load_config(environ=environ))
     assert "sk-secret-one" not in str(raised.value)
+    with pytest.raises(ValueError, match="holds no API key"):
+        ApiKeys.from_config(load_config(environ={"PREFIXMESH_API_KEYS": " , # none\n"}))
     # A key in both the file and the variable is refused (which tenant would it name?).
     path = keys_file(tmp_path, "sk-x file-tenant\n")
     config = load_config(
