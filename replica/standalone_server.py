@@ -13,8 +13,10 @@ native protocol (``replica/engine_server.py``), through which Ray Serve replicas
 The engine is the replica's own (``replica/engines/``: sim or vLLM, built by the replica
 deployment's ``make_engine``); the OpenAI request models, rendering, detokenization and stop
 strings are the shared ones (``prefixmesh/wire/``), and so are the limits checked before work
-(``wire/limits.py``: body size, prompt size, ``max_tokens``, the request's total time) and the
-OpenAI JSON of every error (``wire/api_errors.py``).
+(``wire/limits.py``: body size, prompt size, ``max_tokens``, the request's total time), the
+OpenAI JSON of every error (``wire/api_errors.py``) and the API keys (``wire/auth.py``), which
+guard the OpenAI API under ``/v1`` as vLLM's ``--api-key`` does. Token quotas are the cluster's
+(its replicas and routers count them); this server has none.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from prefixmesh.replica.engine_server import EngineHost, engine_routes
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
 from prefixmesh.wire import GenerateChunk
 from prefixmesh.wire.api_errors import error_response, install_error_handlers
+from prefixmesh.wire.auth import ApiKeys, refusal
 from prefixmesh.wire.generation import Generation
 from prefixmesh.wire.limits import RequestLimits, read_json, timed_out, until_deadline
 from prefixmesh.wire.openai_protocol import (
@@ -294,6 +297,18 @@ def build_app(service: ReplicaService) -> FastAPI:
     )
     install_error_handlers(app)
     app.include_router(engine_routes(host, service.engine_info))
+    keys = ApiKeys.from_config(service.config)
+    if keys is not None:
+
+        @app.middleware("http")
+        async def api_keys(request: Request, call_next: Any) -> Response:
+            # The OpenAI API wants a key (vLLM's --api-key guards /v1 alone): health,
+            # metrics, the peers' tokenizer and info endpoints and /engine/* stay open.
+            path = request.url.path
+            if path.startswith("/v1/") and (refused := await refusal(keys, request)) is not None:
+                return refused
+            response: Response = await call_next(request)
+            return response
 
     async def openai(request: Request, model: type[Any], chat: bool) -> Response:
         deadline = service.limits.deadline()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -216,3 +217,19 @@ def test_the_native_engine_protocol(client: TestClient, service: ReplicaService)
         chunks = [json.loads(line) for line in response.iter_lines() if line]
     assert sum(len(c["token_ids"]) for c in chunks) == 3
     assert chunks[-1]["finished"] and chunks[-1]["finish_reason"] == "length"
+
+
+def test_api_keys_guard_the_openai_api_only(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-peer peers\n")
+    guarded = make_service(sim_config(f"auth.api_keys_file={keys}"), "sim", "r8")
+    with TestClient(build_app(guarded)) as client:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+        for path, method in (("/v1/completions", "POST"), ("/v1/models", "GET")):
+            response = client.request(method, path, json=body if method == "POST" else None)
+            assert openai_error(response, 401)["code"] == "invalid_api_key"
+        authorized = {"Authorization": "Bearer sk-peer"}
+        assert client.post("/v1/completions", json=body, headers=authorized).status_code == 200
+        assert client.get("/v1/models", headers=authorized).status_code == 200
+        for open_path in ("/health", "/metrics", "/get_server_info"):
+            assert client.get(open_path).status_code == 200, open_path
