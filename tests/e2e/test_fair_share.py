@@ -95,9 +95,11 @@ def test_a_light_tenant_and_an_urgent_request_go_ahead_of_a_heavy_backlog(
     )
     # In arrival order both would come after the backlog (at least 8 waiting when they were
     # sent); the urgent one starts first among the waiting, the light tenant next (it has had
-    # no service yet). Ahead of them: the heavy request prefilling when they arrived, and one
-    # whose answer was on its way.
+    # no service yet). Ahead of them: the heavy request prefilling when they arrived, one whose
+    # answer was on its way, and on a loaded machine one more started while they were still
+    # on their way to the replica (the hop from client to gate then outlasts a prefill: seen
+    # with two busy loops on both cores). Arrival order would put 8 or more ahead.
     heavy_after_sending = {name: order[before : order.index(name)] for name in ("light", "urgent")}
-    assert len(heavy_after_sending["urgent"]) <= 2, (before, order)
-    assert len(heavy_after_sending["light"]) <= 3, (before, order)
+    assert len(heavy_after_sending["urgent"]) <= 3, (before, order)
+    assert len(heavy_after_sending["light"]) <= 4, (before, order)
     assert counters()["fair_share_waits"] >= HEAVY_REQUESTS // 2

@@ -400,9 +400,11 @@ def test_slow_registry_falls_back_within_the_deadline(faulty: Faulty) -> None:
     # lookup ends at the deadline and the decision falls back to load balancing. That is
     # counted, not timed: how long a decision takes on a loaded 2-core machine says nothing
     # about the deadline (the timings stay in the report). One decision may have begun its
-    # lookup before the delay did.
+    # lookup before the delay did. After a run of timeouts the router may mark the registry
+    # unavailable and skip the lookup: a fallback too (9 of 33 with two busy loops running).
     assert decisions > 0, summary
-    assert summary["fallbacks_registry_timeout"] >= decisions - 1, summary
+    fallbacks = summary["fallbacks_registry_timeout"] + summary["fallbacks_registry_unavailable"]
+    assert fallbacks >= decisions - 1, summary
     assert recovery_s is not None and recovery_s <= 10, summary
 
 
