@@ -149,7 +149,6 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
         metavar="N1,N2,...",
         help="also run every online policy seeing the next N queued requests (Lookahead)",
     )
-
     parser.add_argument(
         "--max-turn", type=int, default=8, help="turns above this share one category"
     )
@@ -170,7 +169,6 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
         parser.error("--lower-tiers values must be >= 0")
     if any(n <= 0 for n in args.lookahead):
         parser.error("--lookahead values must be > 0")
-
     return args
 
 
