@@ -17,7 +17,8 @@ import pytest
 from prefixmesh.cache_registry.redis_server import LocalRedisServer
 from tests.e2e.conftest import Cluster, Deploy
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# Two deployments under load (two busy loops on both cores) outlast the default 300 s.
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "demo-tiny"
 DOCUMENT = " ".join(f"clause {i}: the tenant of the {i}th part shall comply." for i in range(120))
 BURST = 8

@@ -34,7 +34,8 @@ from prefixmesh.loadtest.peers import ManagedProcess, wait_http
 from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 from tests.e2e.test_faults import DOCUMENTS, MODEL, LoadRun, wait_until, write_report
 
-pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
+# A restart under load (two busy loops on both cores) outlasts the default 300 s.
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(900)]
 SERVER_START_S = 180  # a replica server imports transformers: slow on a loaded 2-core machine
 
 
@@ -114,6 +115,10 @@ def restartable(
             "replica.routing_stats_period_s=0.5",
             "registry.backend=redis",
             f"registry.redis_url={redis.url}",
+            # The new ingress must route on what Redis holds: with both cores busy a lookup
+            # outlasts the default 5 ms deadline and the request is routed on load alone
+            # (the deadline's own test is test_faults.py's).
+            "registry.lookup_deadline_ms=50",
         )
         from transformers import AutoTokenizer
 
