@@ -745,12 +745,16 @@ class WorkloadAwareConfig(_Section):
     """Last-access records kept, including blocks no tier holds (to measure their reuse)."""
 
 
+SinglePolicyName = Literal["lru", "lfu", "hotprefix", "workload"]
+"""The cache policies that decide alone (the adaptive policy's candidates)."""
+
+
 class AdaptiveConfig(_Section):
     """The ``adaptive`` policy (``replica/kvcache/policy/adaptive.py``): the candidates run side
     by side, each on a shadow cache of the same size, and the one that would have hit most
     lately decides."""
 
-    candidates: tuple[Literal["lru", "lfu", "hotprefix", "workload"], ...] = Field(
+    candidates: tuple[SinglePolicyName, ...] = Field(
         default=("lru", "hotprefix", "lfu"), min_length=1
     )
     """In order of preference on a tie (the first leads until another scores more)."""
@@ -763,7 +767,7 @@ class KVCacheConfig(_Section):
     """The replicas' hierarchical prefix cache: which policy manages the tiers, and its
     parameters (paper defaults where the paper gives one)."""
 
-    policy: Literal["lru", "lfu", "hotprefix", "workload", "adaptive"] = "lru"
+    policy: Literal[SinglePolicyName, "adaptive"] = "lru"
     """Eviction / admission / promotion policy of every tier. LRU by default: no other policy
     beats it on the Mooncake trace or the synthetic workloads (docs/BENCHMARKS.md, issue 18),
     and HotPrefix at its defaults admits a block only after 10 uses, so behind the router (a
@@ -916,6 +920,26 @@ def split_url_password(url: str) -> tuple[str, str | None]:
     return urlunsplit(parts._replace(netloc=netloc)), unquote(parts.password)
 
 
+def _without_secret(
+    data: Mapping[str, Any], section: str, secret: str, variable: str, default: str, hint: str = ""
+) -> tuple[dict[str, Any], str] | None:
+    """``data[section]`` as a new dict, and the name of the environment variable that holds its
+    ``secret`` (the setting ``variable``, else ``default``). The secret in the settings
+    themselves (a file, ``--set``) is refused. None when the section is not a mapping
+    (validation names the mistake)."""
+    given = data.get(section, {})
+    if not isinstance(given, Mapping):
+        return None
+    settings = dict(given)
+    name = str(settings.get(variable) or default)
+    if settings.pop(secret, None) is not None:
+        raise ValueError(
+            f"{section}.{secret} is read from the environment (${name}), never from a config "
+            f"file or an override{hint}"
+        )
+    return settings, name
+
+
 def resolve_registry_environment(
     data: Mapping[str, Any], environ: Mapping[str, str]
 ) -> tuple[dict[str, Any], str | None]:
@@ -924,16 +948,12 @@ def resolve_registry_environment(
     names (else one in the environment's URL). Returns the settings with the URL laid in and
     the password apart: it is added after validation, so no validation error can print it.
     A password in the settings themselves (a file, ``--set``) is refused."""
-    given = data.get("registry", {})
-    if not isinstance(given, Mapping):
-        return dict(data), None  # validation names the mistake
-    registry = dict(given)
-    name = registry.get("redis_password_env") or REDIS_PASSWORD_ENV
-    if registry.pop("redis_password", None) is not None:
-        raise ValueError(
-            f"registry.redis_password is read from the environment (${name}), never from a "
-            "config file or an override"
-        )
+    found = _without_secret(
+        data, "registry", "redis_password", "redis_password_env", REDIS_PASSWORD_ENV
+    )
+    if found is None:
+        return dict(data), None
+    registry, name = found
     url = registry.get("redis_url")
     if isinstance(url, str) and split_url_password(url)[1] is not None:
         raise ValueError(
@@ -944,7 +964,7 @@ def resolve_registry_environment(
     env_url = environ.get(REDIS_URL_ENV)
     if env_url:
         registry["redis_url"], password = split_url_password(env_url)
-    password = environ.get(str(name)) or password or None
+    password = environ.get(name) or password or None
     return {**data, "registry": registry}, password
 
 
@@ -953,17 +973,12 @@ def resolve_auth_environment(
 ) -> tuple[dict[str, Any], str | None]:
     """The API keys in the variable ``auth.api_keys_env`` names (the one place it is read);
     keys in the settings themselves (a file, ``--set``) are refused."""
-    given = data.get("auth", {})
-    if not isinstance(given, Mapping):
-        return dict(data), None  # validation names the mistake
-    auth = dict(given)
-    name = auth.get("api_keys_env") or API_KEYS_ENV
-    if auth.pop("api_keys", None) is not None:
-        raise ValueError(
-            f"auth.api_keys is read from the environment (${name}), never from a config file "
-            "or an override: use auth.api_keys_file for a file"
-        )
-    return {**data, "auth": auth}, environ.get(str(name)) or None
+    hint = ": use auth.api_keys_file for a file"
+    found = _without_secret(data, "auth", "api_keys", "api_keys_env", API_KEYS_ENV, hint)
+    if found is None:
+        return dict(data), None
+    auth, name = found
+    return {**data, "auth": auth}, environ.get(name) or None
 
 
 def process_json(config: PrefixmeshConfig) -> str:
