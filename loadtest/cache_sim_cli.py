@@ -34,6 +34,7 @@ from typing import Any
 from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.loadtest.keys import KeyBuilder
+from prefixmesh.loadtest.policy_timer import PolicyTimer
 from prefixmesh.loadtest.traces import (
     MOONCAKE_BLOCK_TOKENS,
     QWEN_BLOCK_TOKENS,
@@ -383,12 +384,13 @@ def run_policy(
     clock: ManualClock,
     queue: RequestQueue | None = None,
     lookahead: int = 0,
-) -> tuple[CacheSimResult, float]:
-    """One replay on empty tiers; the result and the seconds it took. ``queue`` is told of
-    the ``lookahead`` requests after the running one."""
+) -> tuple[CacheSimResult, float, PolicyTimer]:
+    """One replay on empty tiers; the result, the seconds it took and what the policy's
+    decisions cost. ``queue`` is told of the ``lookahead`` requests after the running one."""
+    timer = PolicyTimer(policy)
     started = time.perf_counter()
-    result = TieredCacheSim(capacities, policy, clock).run(replay.requests, queue, lookahead)
-    return result, time.perf_counter() - started
+    result = TieredCacheSim(capacities, timer, clock).run(replay.requests, queue, lookahead)
+    return result, time.perf_counter() - started, timer
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,10 +420,10 @@ def reference_rates(
     (``done``, by policy name: neither has settings)."""
     lru = done.get("lru")
     if lru is None:
-        lru, _ = run_policy(replay, LRUPolicy(), capacities, ManualClock())
+        lru, *_ = run_policy(replay, LRUPolicy(), capacities, ManualClock())
     best = done.get(BELADY)
     if best is None:
-        best, _ = run_policy(replay, BeladyPolicy(future, capacities), capacities, ManualClock())
+        best, *_ = run_policy(replay, BeladyPolicy(future, capacities), capacities, ManualClock())
     return References(lru.hit_rate, best.hit_rate)
 
 
@@ -434,7 +436,11 @@ def _rounded(value: float | None) -> float | None:
 
 
 def result_row(
-    label: str, result: CacheSimResult, wall_s: float, references: References
+    label: str,
+    result: CacheSimResult,
+    wall_s: float,
+    references: References,
+    timer: PolicyTimer,
 ) -> dict[str, Any]:
     return {
         "policy": label,
@@ -455,6 +461,8 @@ def result_row(
         "requests": result.requests,
         "blocks": result.blocks,
         "wall_s": round(wall_s, 3),
+        "victim_us": round(timer.victim_us, 3),
+        "on_request_us": round(timer.request_us, 3),
     }
 
 
@@ -479,7 +487,8 @@ def format_table(replay: Replay, rows: Sequence[dict[str, Any]]) -> str:
             f"{row['policy']:<16} {capacities:<16} {row['hit_rate']:>6.1%} "
             f"{_ratio(row['vs_lru']):>6} {_ratio(row['share_of_belady_gain']):>6} "
             f"{by_tier:<20} {row['blocks_written']:>8} {row['blocks_promoted']:>8} "
-            f"{row['blocks_evicted']:>8} {row['blocks_rejected']:>8} {row['wall_s']:>6.1f}"
+            f"{row['blocks_evicted']:>8} {row['blocks_rejected']:>8} {row['wall_s']:>6.1f} "
+            f"{row['victim_us']:>9.2f}"
         )
     lines.append("")
     lines.append("vs_lru: hit rate / LRU's; gain: (hit - LRU) / (Belady - LRU), the offline bound")
@@ -532,21 +541,21 @@ def main(argv: list[str], prog: str = "cache-sim") -> int:
     rows: list[dict[str, Any]] = []
     references: list[dict[str, Any]] = []
     for sizes in capacities:
-        ran: list[tuple[RowSpec, CacheSimResult, float]] = []
+        ran: list[tuple[RowSpec, CacheSimResult, float, PolicyTimer]] = []
         done: dict[str, CacheSimResult] = {}
         for spec in specs:
             config = load_config(args.config, [*args.set, *spec.overrides])
             clock = ManualClock()
             policy, queue = make_row_policy(spec, config, replay, sizes, future, clock)
-            result, wall_s = run_policy(replay, policy, sizes, clock, queue, spec.lookahead)
+            result, wall_s, timer = run_policy(replay, policy, sizes, clock, queue, spec.lookahead)
             done.setdefault(policy.name, result)
-            ran.append((spec, result, wall_s))
+            ran.append((spec, result, wall_s, timer))
         refs = reference_rates(replay, sizes, future, done)
         references.append(
             {"capacity_blocks": list(sizes), "lru_hit_rate": round(refs.lru, 6),
              "belady_hit_rate": round(refs.belady, 6)}
         )  # fmt: skip
-        rows.extend(result_row(spec.label, result, wall_s, refs) for spec, result, wall_s in ran)
+        rows.extend(result_row(spec.label, *outcome, refs, timer) for spec, *outcome, timer in ran)
     print(format_table(replay, rows))
     if args.json:
         report = {

@@ -14,9 +14,10 @@ future is known. ``Lookahead`` wraps a policy:
 
 Nothing is pinned: a queue longer than the cache only orders the evictions. Bounded in work:
 at most ``max_queued`` requests are tracked (later ones are ignored until earlier ones start).
-A queued request's held blocks are marked used when it arrives, so the wrapped policy's scan,
-which starts at its least recent blocks, seldom meets a needed one; an eviction then costs
-the wrapped policy's plus, in case 2, a heap pop (docs/BENCHMARKS.md: the cost per eviction).
+A needed block the wrapped policy's scan passes over (its least recent blocks, where a
+waiting request's blocks drift while it waits) is marked used then, so the next scans do not
+meet it again; an eviction costs the wrapped policy's plus, in case 2, a heap pop
+(docs/BENCHMARKS.md: the cost per eviction).
 
 Pure like every policy: the cache that owns the queue calls ``queued`` when a request arrives
 and ``started`` when it runs (or leaves); the rest is the wrapped policy's ``CachePolicy``.
@@ -30,7 +31,7 @@ from collections.abc import Container, Hashable, Sequence
 from typing import Protocol
 
 from prefixmesh.cache_registry.types import BlockHash
-from prefixmesh.replica.kvcache.policy.base import BlockRef, CachePolicy, Promotion
+from prefixmesh.replica.kvcache.policy.base import BlockRef, CachePolicy, Promotion, deepest_first
 
 DEFAULT_MAX_QUEUED = 1024
 """Queued requests tracked at once."""
@@ -46,17 +47,39 @@ class RequestQueue(Protocol):
         ...
 
 
+SCAN_LIMIT = 64
+"""Needed blocks the wrapped policy's scan may pass over in one eviction; past that, the least
+recently used unneeded block goes instead of the wrapped policy's pick."""
+
+
+class _LongScan(Exception):
+    """The wrapped policy's scan met more than ``SCAN_LIMIT`` needed blocks."""
+
+
 class _Excluded:
-    """``pinned`` or needed by a queued request: what the wrapped policy must not pick."""
+    """``pinned`` or needed by a queued request: what the wrapped policy must not pick. The
+    needed blocks it was asked about are kept in ``met``; past ``limit`` of them the scan is
+    cut short (``_LongScan``)."""
 
-    __slots__ = ("_needed", "_pinned")
+    __slots__ = ("_limit", "_needed", "_pinned", "met")
 
-    def __init__(self, pinned: Container[BlockHash], needed: Container[BlockHash]) -> None:
+    def __init__(
+        self, pinned: Container[BlockHash], needed: Container[BlockHash], limit: int
+    ) -> None:
         self._pinned = pinned
         self._needed = needed
+        self._limit = limit
+        self.met: list[object] = []
 
     def __contains__(self, block: object) -> bool:
-        return block in self._pinned or block in self._needed
+        if block in self._pinned:
+            return True
+        if block in self._needed:
+            self.met.append(block)
+            if len(self.met) > self._limit:
+                raise _LongScan
+            return True
+        return False
 
 
 class Lookahead:
@@ -79,6 +102,9 @@ class Lookahead:
         """Per tier, blocks held."""
         self._needed_resident: dict[int, int] = {}
         """Per tier, needed blocks held: when they are all, the wrapped policy is not asked."""
+        self._unneeded: dict[int, dict[BlockHash, None]] = {}
+        """Per tier, the blocks held that no queued request needs, least recently used first
+        (the fallback when the wrapped policy's scan runs long)."""
 
     # ---- the queue ---------------------------------------------------------------------------
 
@@ -101,7 +127,8 @@ class Lookahead:
         self._sequence += 1
         distinct = tuple(dict.fromkeys(blocks))
         self._requests[request_id] = (sequence, distinct)
-        held: dict[int, list[BlockRef]] = {}
+        # Nothing is marked used here: a wait is not a use, and where the run does not touch
+        # every block again (a CPU tier hears only of its loads) that would reorder the rest.
         for block in distinct:
             uses = self._uses.get(block)
             tier = self._tier_of.get(block)
@@ -110,15 +137,9 @@ class Lookahead:
                 self._push(block)
                 if tier is not None:
                     self._needed_resident[tier] += 1
+                    del self._unneeded[tier][block]
             else:
                 uses.append(sequence)  # the newest request: its number is the largest
-            if tier is not None:
-                held.setdefault(tier, []).append(BlockRef(block, None, self._depth[block]))
-        # Marked used now: the wrapped policy's scan for a victim starts at its least recent
-        # blocks, which would otherwise fill up with needed ones it has to skip each time.
-        # Their order among the rest changes nothing: the run touches them again.
-        for tier, refs in held.items():
-            self.policy.touch(tier, refs)
 
     def started(self, request_id: Hashable) -> None:
         entry = self._requests.pop(request_id, None)
@@ -134,6 +155,7 @@ class Lookahead:
                 tier = self._tier_of.get(block)
                 if tier is not None:
                     self._needed_resident[tier] -= 1
+                    self._unneeded[tier][block] = None  # used now: the most recent
             elif uses[0] != first:
                 self._push(block)
 
@@ -184,9 +206,12 @@ class Lookahead:
         self._depth[block.block] = block.position
         self._resident[tier] = self._resident.get(tier, 0) + 1
         self._needed_resident.setdefault(tier, 0)
+        unneeded = self._unneeded.setdefault(tier, {})
         if block.block in self._uses:
             self._needed_resident[tier] += 1
             self._push(block.block)
+        else:
+            unneeded[block.block] = None
         self.policy.on_insert(tier, block)
 
     def on_remove(self, tier: int, block: BlockHash, dropped: bool) -> None:
@@ -195,16 +220,34 @@ class Lookahead:
         self._resident[tier] -= 1
         if block in self._uses:
             self._needed_resident[tier] -= 1
+        else:
+            del self._unneeded[tier][block]
         self.policy.on_remove(tier, block, dropped)
 
     def touch(self, tier: int, blocks: Sequence[BlockRef]) -> None:
+        unneeded = self._unneeded.get(tier)
+        if unneeded:
+            for ref in deepest_first(blocks):
+                if unneeded.pop(ref.block, 0) is None:
+                    unneeded[ref.block] = None
         self.policy.touch(tier, blocks)
 
     def victim(self, tier: int, pinned: Container[BlockHash]) -> BlockHash | None:
         if not self._uses:
             return self.policy.victim(tier, pinned)
         if self._needed_resident.get(tier, 0) < self._resident.get(tier, 0):
-            victim = self.policy.victim(tier, _Excluded(pinned, self._uses))
+            excluded = _Excluded(pinned, self._uses, SCAN_LIMIT)
+            try:
+                victim = self.policy.victim(tier, excluded)
+            except _LongScan:  # its candidates are mostly needed: the oldest unneeded goes
+                victim = next((b for b in self._unneeded[tier] if b not in pinned), None)
+            if excluded.met:
+                # Needed blocks the scan had to pass over are marked used, so that the next
+                # scans do not meet them again (a queue's blocks age while it waits): they
+                # would have been kept anyway, and the scan stays short.
+                tier_of, depth = self._tier_of, self._depth
+                met = {b: None for b in excluded.met if tier_of.get(b) == tier}  # type: ignore[call-overload]
+                self.policy.touch(tier, [BlockRef(b, None, depth[b]) for b in met])
             if victim is not None:
                 return victim
         return self._furthest(tier, pinned)
@@ -218,4 +261,4 @@ class Lookahead:
         return self.policy.admit(tier, block, displaced)
 
     def promotions(self, pinned: Container[BlockHash]) -> Sequence[Promotion]:
-        return self.policy.promotions(_Excluded(pinned, self._uses))
+        return self.policy.promotions(_Excluded(pinned, self._uses, len(self._uses)))

@@ -221,5 +221,9 @@ def test_lookahead_adds_a_row_per_online_policy_and_queue_length(tmp_path: Path)
     assert rows["lru"]["hit_rate"] == pytest.approx(1 / 6, abs=1e-6)
     for label in ("lru+look1", "lru+look3", "workload+look1"):
         assert rows[label]["share_of_belady_gain"] == pytest.approx(1.0), label
+    # Each row says what its policy's decisions cost (a row that evicted asked for victims).
+    for label, row in rows.items():
+        assert (row["victim_us"] > 0) == (row["blocks_evicted"] > 0), label
+        assert row["on_request_us"] > 0, label
     with pytest.raises(SystemExit):
         cache_sim_cli.main(["--trace", str(trace), "--capacity-blocks", "2", "--lookahead", "0"])

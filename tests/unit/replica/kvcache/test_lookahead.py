@@ -4,6 +4,7 @@ goes first when all are needed, needed blocks go down a tier, and nothing is pin
 from __future__ import annotations
 
 import random
+from collections.abc import Container
 
 from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.config import HotPrefixConfig
@@ -14,6 +15,7 @@ from prefixmesh.replica.kvcache.policy import (
     Lookahead,
     LRUPolicy,
 )
+from prefixmesh.replica.kvcache.policy.lookahead import SCAN_LIMIT
 
 
 def blocks(*ids: int) -> tuple[BlockHash, ...]:
@@ -42,6 +44,59 @@ def test_an_unneeded_block_goes_before_a_needed_one_whatever_lru_says() -> None:
     assert policy.victim(0, {BlockHash(2), BlockHash(7)}) == BlockHash(1)  # nothing else left
     policy.started("r1")
     assert not policy.needed(BlockHash(1)) and policy.queued_requests == 0
+
+
+class CountingLRU(LRUPolicy):
+    """LRU that counts the blocks its victim scan asks about."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    def victim(self, tier: int, pinned: Container[BlockHash]) -> BlockHash | None:
+        outer = self
+
+        class Counting:
+            def __contains__(self, block: object) -> bool:
+                outer.asked += 1
+                return block in pinned
+
+        return super().victim(tier, Counting())
+
+
+def test_the_scan_meets_an_aged_needed_block_once_not_at_every_eviction() -> None:
+    lru = CountingLRU()
+    policy = Lookahead(lru)
+    singles = [BlockRef(BlockHash(i), None, 0) for i in range(1, 11)]
+    for ref in singles:
+        policy.on_insert(0, ref)
+    policy.queued("waiting", blocks(1, 2, 3))
+    policy.touch(0, singles[3:])  # the others run while it waits: 1, 2, 3 age to the front
+    assert policy.victim(0, set()) == BlockHash(4)
+    assert lru.asked == 4  # passed over 1, 2 and 3
+    policy.on_remove(0, BlockHash(4), dropped=True)
+    lru.asked = 0
+    assert policy.victim(0, set()) == BlockHash(5)
+    assert lru.asked == 1  # they were moved behind the rest
+    assert policy.needed(BlockHash(1)) and policy.first_use(BlockHash(1)) == 0
+
+
+def test_a_scan_through_mostly_needed_blocks_is_cut_short_for_the_oldest_unneeded() -> None:
+    lru = CountingLRU()
+    policy = Lookahead(lru)
+    count = SCAN_LIMIT + 6
+    for i in [*range(1, count + 1), 1000, 1001]:
+        policy.on_insert(0, BlockRef(BlockHash(i), None, 0))
+    policy.queued("backlog", blocks(*range(1, count + 1)))
+    policy.touch(0, [BlockRef(BlockHash(1000), None, 0)])  # 1001 is now the oldest unneeded
+    assert policy.victim(0, set()) == BlockHash(1001)
+    assert lru.asked == SCAN_LIMIT + 1  # cut at the first needed block past the limit
+    lru.asked = 0
+    # The needed blocks it passed over went behind the rest: the next scan is short.
+    assert policy.victim(0, {BlockHash(1001)}) == BlockHash(1000)
+    assert lru.asked < 10
+    policy.started("backlog")  # plain LRU again
+    assert policy.victim(0, {BlockHash(1000), BlockHash(1001)}) == BlockHash(1)
 
 
 def test_all_needed_the_first_use_furthest_ahead_goes_deepest_first() -> None:
