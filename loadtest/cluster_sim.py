@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from prefixmesh.cache_registry.types import SHARED_TIER, CacheEvent, PrefixHit, 
 from prefixmesh.loadtest.fleet import SimReplica
 from prefixmesh.loadtest.keys import KeyBuilder
 from prefixmesh.loadtest.workloads import WorkloadRequest
+from prefixmesh.replica.kvcache.policy import Clock, TierPolicy
 from prefixmesh.replica.model.engine import (
     CacheChanged,
     EngineEvent,
@@ -63,6 +64,8 @@ class SimConfig:
     """Capacity of the cluster's shared tier, in blocks (0: none). Every replica writes the
     blocks it computes there and loads from it at its profile's ``shared_load_s_per_block``;
     the registry records it once (``SHARED_TIER``), with the same lag as a replica's events."""
+    cpu_policy: Callable[[Clock], TierPolicy] | None = None
+    """A fresh policy for each replica's CPU tier, given the simulation's clock (None: LRU)."""
 
     @classmethod
     def uniform(
@@ -123,8 +126,16 @@ class ClusterSim:
         )
         self.shared = SharedTier(config.shared_blocks) if config.shared_blocks else None
         self._shared_seq = 0
+        make_cpu_policy = config.cpu_policy
         self.replicas = [
-            SimReplica(i, config.profile, tp, self.shared) for i, tp in enumerate(config.tp_degrees)
+            SimReplica(
+                i,
+                config.profile,
+                tp,
+                self.shared,
+                cpu_policy=None if make_cpu_policy is None else make_cpu_policy(self._now),
+            )
+            for i, tp in enumerate(config.tp_degrees)
         ]
         self._by_id = {r.replica_id: r for r in self.replicas}
         self.keys = KeyBuilder(config.profile.block_size, config.key_seed)
@@ -141,6 +152,9 @@ class ClusterSim:
         """Replicas whose engine changed since the last routing decision."""
 
     # ---- the loop ----------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return self.now_s
 
     def run(self, requests: Sequence[WorkloadRequest]) -> SimResult:
         arrivals = sorted((r for r in requests if r.follows is None), key=lambda r: r.arrival_s)

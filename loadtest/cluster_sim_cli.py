@@ -34,6 +34,8 @@ from prefixmesh.loadtest.oracle import (
 )
 from prefixmesh.loadtest.traces import TRACE_FORMATS, load_trace, rescale
 from prefixmesh.loadtest.workloads import WORKLOADS, WorkloadRequest, make_workload
+from prefixmesh.replica.kvcache.policy import POLICY_NAMES as CACHE_POLICY_NAMES
+from prefixmesh.replica.kvcache.policy import Clock, TierPolicy, make_tier_policy
 from prefixmesh.replica.model.profile import (
     DEFAULT_PROFILE,
     PROFILES,
@@ -88,6 +90,18 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
     parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
     parser.add_argument("--cpu-blocks", type=int, default=0, help="add a CPU tier of N blocks")
     parser.add_argument(
+        "--cpu-policy",
+        choices=CACHE_POLICY_NAMES,
+        help="the CPU tier's cache policy (default: the config's kvcache.policy)",
+    )
+    parser.add_argument(
+        "--lookahead",
+        type=int,
+        metavar="N",
+        help="tell the CPU tier's policy up to N requests waiting at its engine (Lookahead; "
+        "default: the config's kvcache.lookahead_requests)",
+    )
+    parser.add_argument(
         "--shared-blocks",
         type=int,
         default=0,
@@ -114,8 +128,8 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name} must be > 0")
-    if args.registry_lag_s < 0 or args.cpu_blocks < 0 or args.shared_blocks < 0:
-        parser.error("--registry-lag-s, --cpu-blocks and --shared-blocks must be >= 0")
+    if min(args.registry_lag_s, args.cpu_blocks, args.shared_blocks, args.lookahead or 0) < 0:
+        parser.error("--registry-lag-s, --cpu-blocks, --shared-blocks and --lookahead must be >= 0")
     if args.shared_gb_per_s <= 0:
         parser.error("--shared-gb-per-s must be > 0")
     return args
@@ -227,9 +241,22 @@ def run_policy(
     registry_lag_s: float,
     seed: int,
     shared_blocks: int = 0,
+    cpu_policy: str | None = None,
+    lookahead: int | None = None,
 ) -> tuple[PolicyMetrics, list[float], dict[str, float]]:
     profile = scenario.profile
     policy = factory(name, config.routing, rng=random.Random(seed), block_size=profile.block_size)
+
+    def cpu_tier(clock: Clock) -> TierPolicy:
+        return make_tier_policy(
+            config.kvcache,
+            clock=clock,
+            block_tokens=profile.block_size,
+            capacities=(profile.cpu_blocks,),
+            name=cpu_policy,
+            lookahead_requests=lookahead,
+        )
+
     sim_config = SimConfig(
         profile,
         scenario.tp_degrees,
@@ -238,6 +265,7 @@ def run_policy(
         hotness_half_life_s=config.registry.hotness_half_life_s,
         max_holders_per_block=config.registry.max_holders_per_block,
         shared_blocks=shared_blocks,
+        cpu_policy=cpu_tier if profile.cpu_blocks else None,
     )
     started, cpu_started = time.perf_counter(), time.process_time()
     result = ClusterSim(sim_config, policy).run(scenario.requests)
@@ -303,7 +331,15 @@ def main(
     runs: dict[str, dict[str, float]] = {}
     for name in names:
         rows[name], ttfts[name], runs[name] = run_policy(
-            scenario, name, config, factory, args.registry_lag_s, args.seed, args.shared_blocks
+            scenario,
+            name,
+            config,
+            factory,
+            args.registry_lag_s,
+            args.seed,
+            args.shared_blocks,
+            args.cpu_policy,
+            args.lookahead,
         )
     walls = {n: r["wall_s"] for n, r in runs.items()}
     print(format_table(scenario, rows, walls, oracle.hit_rate, floor_s))
@@ -321,6 +357,10 @@ def main(
                 "tp_degrees": list(scenario.tp_degrees),
                 "profile": scenario.profile.name,
                 "cpu_blocks": scenario.profile.cpu_blocks,
+                "cpu_policy": args.cpu_policy or config.kvcache.policy,
+                "lookahead": (
+                    config.kvcache.lookahead_requests if args.lookahead is None else args.lookahead
+                ),
                 "shared_blocks": args.shared_blocks,
                 "shared_gb_per_s": args.shared_gb_per_s if args.shared_blocks else None,
                 "rate_per_s": scenario.rate_per_s,

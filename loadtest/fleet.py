@@ -9,6 +9,7 @@ replica/ does not import router/ (DESIGN.md section 4); loadtest/ may import bot
 from __future__ import annotations
 
 from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.replica.kvcache.policy import TierPolicy
 from prefixmesh.replica.model.engine import EngineLoad, EngineModel
 from prefixmesh.replica.model.prefix_cache import SharedTier
 from prefixmesh.replica.model.profile import EngineProfile
@@ -55,10 +56,12 @@ class SimReplica:
         profile: EngineProfile,
         tp_degree: int = 1,
         shared: SharedTier | None = None,
+        *,
+        cpu_policy: TierPolicy | None = None,
     ) -> None:
         self.index = index
         self.replica_id = ReplicaId(f"replica-{index}")
-        self.engine = EngineModel(profile, tp_degree, shared)
+        self.engine = EngineModel(profile, tp_degree, shared, cpu_policy=cpu_policy)
         self.capacity = capacity(profile, tp_degree)
         self.seq = 0
         """Next cache-event sequence number."""

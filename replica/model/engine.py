@@ -38,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from prefixmesh.cache_registry.types import BlockHash, PrefixKey
+from prefixmesh.replica.kvcache.policy import TierPolicy
 from prefixmesh.replica.model.prefix_cache import CacheChange, PrefixCache, SharedTier
 from prefixmesh.replica.model.profile import EngineProfile
 
@@ -207,12 +208,22 @@ class EngineModel:
     """One replica's engine; see the module docstring."""
 
     def __init__(
-        self, profile: EngineProfile, tp_degree: int = 1, shared: SharedTier | None = None
+        self,
+        profile: EngineProfile,
+        tp_degree: int = 1,
+        shared: SharedTier | None = None,
+        *,
+        cpu_policy: TierPolicy | None = None,
     ) -> None:
         self.profile = profile
         self.tp_degree = tp_degree
         self.block_size = profile.block_size
-        self.cache = PrefixCache(profile.kv_blocks_at(tp_degree), profile.cpu_blocks, shared)
+        self.cache = PrefixCache(
+            profile.kv_blocks_at(tp_degree),
+            profile.cpu_blocks,
+            shared,
+            cpu_policy=cpu_policy,
+        )
         inverse = 1.0 / profile.tp_speedup(tp_degree)
         self._overhead_s = profile.step_overhead_s
         self._weights_s = profile.weight_read_s * inverse
@@ -265,6 +276,7 @@ class EngineModel:
         self._pending_prefill += req.estimate
         self._requests[request.request_id] = req
         self._waiting.append(req)
+        self.cache.arrived(request.request_id, request.key.block_hashes)
         self._load = None
         self._wake(now_s)
 
@@ -282,6 +294,7 @@ class EngineModel:
             else:
                 self._held.remove(req)
             self._pending_prefill -= req.estimate
+            self.cache.started(request_id)
             self._events.append(self._finish(req, now_s, aborted=True))
             return True
         req.aborting = True
@@ -539,6 +552,7 @@ class EngineModel:
         private = total - match.num_blocks
         if not self.cache.acquire(hashes, match.num_blocks, private):
             return -1
+        self.cache.started(spec.request_id)
         req.state = _PREFILL
         req.num_hit = match.num_blocks
         req.pins = list(hashes[: match.num_blocks])
@@ -559,7 +573,7 @@ class EngineModel:
 
     def _prefill_done(self, req: _Request) -> None:
         spec = req.spec
-        stored = self.cache.store(spec.key.block_hashes[req.num_hit :])
+        stored = self.cache.store(spec.key.block_hashes, req.num_hit)
         req.pins.extend(stored)
         req.private_blocks -= len(stored)
         req.state = _DECODE
@@ -581,7 +595,7 @@ class EngineModel:
         spec = req.spec
         if req.reserved_blocks:
             if spec.finish_key is not None and not aborted:
-                stored = self.cache.store(spec.finish_key.block_hashes[len(spec.key) :])
+                stored = self.cache.store(spec.finish_key.block_hashes, len(spec.key))
                 req.pins.extend(stored)
                 req.private_blocks -= len(stored)
             self.cache.release(req.pins, req.private_blocks)

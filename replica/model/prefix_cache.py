@@ -14,8 +14,10 @@ Engine tier (vLLM's prefix cache semantics):
     another request stored first (vLLM keeps such duplicates too);
   - capacity = cached blocks + private blocks + free blocks.
 
-CPU tier (optional): a plain LRU of hashes. A block evicted from the engine tier is written to it;
-a hit there is loaded back into an engine block (the CPU copy stays, as a write-through copy).
+CPU tier (optional): a ``CpuTier``, evicted and admitted by a cache policy (LRU by default, or
+the KV connector's configured one, with lookahead when it is told the waiting requests). A block
+evicted from the engine tier is offered to it; a hit there is loaded back into an engine block
+(the CPU copy stays, as a write-through copy).
 
 Shared tier (optional): one ``SharedTier`` for the whole cluster (a disk directory every replica
 reads, in a real cluster): a block is written to it once, by whichever replica computed it, and
@@ -33,6 +35,9 @@ from dataclasses import dataclass
 from itertools import islice, takewhile
 
 from prefixmesh.cache_registry.types import BlockHash, CacheEvent, EventKind, ReplicaId, Tier
+from prefixmesh.replica.kvcache.policy import TierPolicy
+from prefixmesh.replica.kvcache.policy.base import BlockRef
+from prefixmesh.replica.model.cpu_tier import CpuTier, chain_refs
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +115,16 @@ class SharedTier:
 
 
 class PrefixCache:
-    """Engine-tier blocks with reference counts and LRU eviction, plus an optional CPU tier."""
+    """Engine-tier blocks with reference counts and LRU eviction, plus an optional CPU tier
+    (``cpu_blocks`` of them, managed by ``cpu_policy``: LRU unless given)."""
 
     def __init__(
-        self, capacity_blocks: int, cpu_blocks: int = 0, shared: SharedTier | None = None
+        self,
+        capacity_blocks: int,
+        cpu_blocks: int = 0,
+        shared: SharedTier | None = None,
+        *,
+        cpu_policy: TierPolicy | None = None,
     ) -> None:
         if capacity_blocks <= 0 or cpu_blocks < 0:
             raise ValueError("capacity_blocks must be > 0 and cpu_blocks >= 0")
@@ -125,8 +136,11 @@ class PrefixCache:
         """Cached engine-tier blocks -> number of running requests referencing them."""
         self._evictable: OrderedDict[BlockHash, None] = OrderedDict()
         """Cached blocks with no reference, first to be evicted first."""
-        self._cpu: OrderedDict[BlockHash, None] = OrderedDict()
-        """CPU-tier blocks, least recently used first."""
+        self.cpu = CpuTier(cpu_blocks, cpu_policy) if cpu_blocks else None
+        self._cpu: CpuTier | frozenset[BlockHash] = frozenset() if self.cpu is None else self.cpu
+        self._chain: dict[BlockHash, BlockRef] = {}
+        """Engine-tier blocks' places in their chains, kept only with a CPU tier (its policy
+        is told where an evicted block sat)."""
         self._private = 0
         self._changes: list[CacheChange] = []
 
@@ -153,8 +167,8 @@ class PrefixCache:
         return list(self._evictable)
 
     def cpu_blocks(self) -> list[BlockHash]:
-        """CPU-tier blocks, least recently used first."""
-        return list(self._cpu)
+        """CPU-tier blocks, in the order they entered it."""
+        return self.cpu.blocks() if self.cpu is not None else []
 
     def cached_blocks(self) -> list[BlockHash]:
         """Every engine-tier block with a hash (referenced or evictable)."""
@@ -166,6 +180,7 @@ class PrefixCache:
         dropped = list(self._evictable)
         for block in dropped:
             del self._refs[block]
+            self._chain.pop(block, None)
         self._evictable.clear()
         if dropped:
             self._changes.append(CacheChange(EventKind.REMOVED, Tier.GPU, tuple(dropped)))
@@ -183,6 +198,16 @@ class PrefixCache:
         return changes
 
     # ---- requests --------------------------------------------------------------------------
+
+    def arrived(self, request_id: str, hashes: Sequence[BlockHash], category: str = "") -> None:
+        """A request with these prompt blocks waits to run (the CPU tier's policy hears it)."""
+        if self.cpu is not None:
+            self.cpu.arrived(request_id, chain_refs(hashes), category)
+
+    def started(self, request_id: str) -> None:
+        """It runs now, or left without running."""
+        if self.cpu is not None:
+            self.cpu.started(request_id)
 
     def match(self, hashes: Sequence[BlockHash], max_blocks: int) -> PrefixMatch:
         """Leading blocks of ``hashes`` (at most ``max_blocks``) held in the engine tier, the
@@ -229,12 +254,14 @@ class PrefixCache:
                 if count == 0:
                     del evictable[block]
                 refs[block] = count + 1
-        cpu, shared = self._cpu, self.shared
-        for block in to_load:  # the loaded copy is the most recently used
-            if block in cpu:
-                cpu.move_to_end(block)
-            elif shared is not None:
-                shared.touch((block,))
+        if to_load:  # the loaded copies are the most recently used
+            loading = set(to_load)
+            loaded = [ref for ref in chain_refs(hit) if ref.block in loading]
+            if self.cpu is not None:
+                self.cpu.touch(loaded)
+                self._chain.update((ref.block, ref) for ref in loaded)
+            if self.shared is not None:
+                self.shared.touch([block for block in to_load if block not in self._cpu])
         self._make_room(needed)
         for block in to_load:
             refs[block] = 1
@@ -243,19 +270,23 @@ class PrefixCache:
         self._private += num_private
         return True
 
-    def store(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """A running request finished computing ``hashes`` in its private blocks: cache them.
+    def store(self, hashes: Sequence[BlockHash], start: int = 0) -> list[BlockHash]:
+        """A running request finished computing ``hashes[start:]`` (the earlier ones are its
+        hit) in its private blocks: cache them.
 
         Returns the hashes it now references (its copies became the cached ones); a block some
         other request cached first stays private to this request and is freed at release."""
         refs = self._refs
-        stored = [block for block in hashes if block not in refs]
+        stored = [block for block in hashes[start:] if block not in refs]
         if len(set(stored)) != len(stored):
             raise ValueError("a prompt cannot hold the same block hash twice")
         if len(stored) > self._private:
             raise ValueError(f"storing {len(stored)} blocks but only {self._private} private")
         for block in stored:
             refs[block] = 1
+        if self.cpu is not None and stored:
+            new = set(stored)
+            self._chain.update((r.block, r) for r in chain_refs(hashes, start) if r.block in new)
         self._private -= len(stored)
         if stored:
             self._changes.append(CacheChange(EventKind.STORED, Tier.GPU, tuple(stored)))
@@ -288,28 +319,10 @@ class PrefixCache:
             del refs[block]
             removed.append(block)
         self._changes.append(CacheChange(EventKind.REMOVED, Tier.GPU, tuple(removed)))
-        if self.cpu_capacity_blocks:
-            self._write_to_cpu(removed)
-
-    def _write_to_cpu(self, blocks: list[BlockHash]) -> None:
-        cpu = self._cpu
-        added: list[BlockHash] = []
-        for block in blocks:
-            if block in cpu:
-                cpu.move_to_end(block)
-            else:
-                cpu[block] = None
-                added.append(block)
-        dropped: list[BlockHash] = []
-        while len(cpu) > self.cpu_capacity_blocks:
-            block, _ = cpu.popitem(last=False)
-            dropped.append(block)
-        if dropped and added:
-            # A block added and dropped within one batch was never held: report neither.
-            added_set = set(added)
-            added = [b for b in added if b in cpu]
-            dropped = [b for b in dropped if b not in added_set]
-        if added:
-            self._changes.append(CacheChange(EventKind.STORED, Tier.CPU, tuple(added)))
-        if dropped:
-            self._changes.append(CacheChange(EventKind.REMOVED, Tier.CPU, tuple(dropped)))
+        if self.cpu is not None:
+            chain = self._chain
+            added, dropped = self.cpu.write([chain.pop(block) for block in removed])
+            if added:
+                self._changes.append(CacheChange(EventKind.STORED, Tier.CPU, tuple(added)))
+            if dropped:
+                self._changes.append(CacheChange(EventKind.REMOVED, Tier.CPU, tuple(dropped)))

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from prefixmesh.config import KVCacheConfig
@@ -66,6 +67,41 @@ def make_policy(
     raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
+@dataclass(frozen=True, slots=True)
+class TierPolicy:
+    """What manages a cache's lower tiers: the policy, and the queue it hears the waiting
+    requests through (None: it is not told)."""
+
+    policy: CachePolicy
+    queue: RequestQueue | None = None
+
+
+def make_tier_policy(
+    config: KVCacheConfig,
+    *,
+    clock: Clock,
+    block_tokens: int,
+    capacities: Sequence[int] = (),
+    name: str | None = None,
+    lookahead_requests: int | None = None,
+) -> TierPolicy:
+    """The configured policy (``config.policy`` unless ``name``), wrapped in a ``Lookahead``
+    over ``config.lookahead_requests`` waiting requests (unless ``lookahead_requests``) when
+    that is > 0."""
+    policy = make_policy(
+        name or config.policy,
+        config,
+        clock=clock,
+        block_tokens=block_tokens,
+        capacities=capacities,
+    )
+    lookahead = config.lookahead_requests if lookahead_requests is None else lookahead_requests
+    if lookahead <= 0:
+        return TierPolicy(policy)
+    looking = Lookahead(policy, max_queued=lookahead)
+    return TierPolicy(looking, looking)
+
+
 __all__ = [
     "DEFAULT_MAX_QUEUED",
     "ENGINE_TIER",
@@ -84,6 +120,8 @@ __all__ = [
     "Promotion",
     "RequestQueue",
     "ReuseFit",
+    "TierPolicy",
     "WorkloadAwarePolicy",
     "make_policy",
+    "make_tier_policy",
 ]

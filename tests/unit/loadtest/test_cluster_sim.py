@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from prefixmesh.cache_registry.types import SHARED_TIER
+from prefixmesh.cache_registry.types import SHARED_TIER, BlockHash
 from prefixmesh.loadtest.cluster_sim import ClusterSim, SimConfig, SimResult
 from prefixmesh.loadtest.keys import KeyBuilder, Segment
 from prefixmesh.loadtest.metrics import compute_metrics
@@ -18,11 +19,13 @@ from prefixmesh.loadtest.oracle import oracle_hits
 from prefixmesh.loadtest.workloads import (
     BlogWorkload,
     BurstWorkload,
+    GroupsWorkload,
     MultiturnWorkload,
     WorkloadRequest,
     make_request,
 )
-from prefixmesh.replica.model.profile import H100_LLAMA8B, with_shared_tier
+from prefixmesh.replica.kvcache.policy import Clock, LRUPolicy, TierPolicy
+from prefixmesh.replica.model.profile import H100_LLAMA8B, with_cpu_tier, with_shared_tier
 from prefixmesh.router.policy.base import registry_view
 from tests.unit.loadtest.policies import LongestHit, RoundRobin
 
@@ -115,6 +118,43 @@ def test_follow_up_turns_arrive_after_their_parent_finishes() -> None:
             )
     follow_ups = [finished[r.request_id] for r in requests if r.follows is not None]
     assert sum(r.cached_tokens for r in follow_ups) > 0.5 * sum(r.prompt_tokens for r in follow_ups)
+
+
+class Recorder:
+    """A ``RequestQueue`` that records what a CPU tier's policy hears."""
+
+    def __init__(self) -> None:
+        self.waited: list[Hashable] = []
+        self.ran: list[Hashable] = []
+
+    def queued(self, request_id: Hashable, blocks: Sequence[BlockHash]) -> None:
+        self.waited.append(request_id)
+
+    def started(self, request_id: Hashable) -> None:
+        self.ran.append(request_id)
+
+
+def test_each_replica_runs_its_own_cpu_tier_policy_and_hears_its_waiting_requests() -> None:
+    made: list[tuple[LRUPolicy, Recorder]] = []
+
+    def make(clock: Clock) -> TierPolicy:
+        policy, recorder = LRUPolicy(), Recorder()
+        made.append((policy, recorder))
+        return TierPolicy(policy, recorder)
+
+    profile = with_cpu_tier(replace(PROFILE, kv_blocks=1200), 4096)  # evictions: CPU hits
+    config = SimConfig.uniform(profile, 2, cpu_policy=make)
+    sim = ClusterSim(config, LongestHit())
+    groups = GroupsWorkload(num_groups=32, system_prompt_tokens=2048)  # 4,096 blocks of prefixes
+    result = sim.run(groups.generate(300, 40.0, seed=3))
+    assert [replica.engine.cache.cpu.policy for replica in sim.replicas] == [p for p, _ in made]
+    served = [
+        sorted(o.record.request_id for o in result.outcomes if o.replica == i) for i in (0, 1)
+    ]
+    for (_, recorder), ids in zip(made, served, strict=True):
+        assert sorted(recorder.waited) == ids  # every request it served waited there first
+        assert sorted(recorder.ran) == ids  # and left the queue when it ran
+    assert sum(o.record.cpu_cached_tokens for o in result.outcomes) > 0
 
 
 def test_mixed_tensor_parallel_fleet() -> None:

@@ -65,6 +65,27 @@ def test_trace_run_rescales_to_the_requested_load(tmp_path: Path) -> None:
     assert report["oracle_hit_rate"] > 0.4
 
 
+def test_the_cpu_tier_runs_the_chosen_cache_policy_with_lookahead(tmp_path: Path) -> None:
+    out = {name: tmp_path / f"{name}.json" for name in ("lru", "adaptive")}
+    for name, path in out.items():
+        argv = [
+            "--workload", "groups", "--param", "num_groups=16", "--param",
+            "system_prompt_tokens=2048", "--replicas", "2", "--requests", "120", "--load", "0.8",
+            "--policies", "hit", "--profile", "cpu-small", "--cpu-blocks", "64",
+            "--cpu-policy", name, "--lookahead", "8", "--json", str(path),
+        ]  # fmt: skip
+        assert cluster_sim_cli.main(argv, policy_factory=tiny_policies) == 0
+    reports = {name: json.loads(path.read_text()) for name, path in out.items()}
+    for name, report in reports.items():
+        assert report["params"]["cpu_policy"] == name
+        assert report["params"]["lookahead"] == 8
+        assert report["policies"]["hit"]["requests"] == 120
+    with pytest.raises(SystemExit):
+        cluster_sim_cli.main(["--workload", "blog", "--cpu-policy", "nope"])
+    with pytest.raises(SystemExit):
+        cluster_sim_cli.main(["--workload", "blog", "--lookahead", "-1"])
+
+
 def test_real_policies_run_when_available(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     argv = ["--workload", "blog", "--requests", "150", "--replicas", "4",
