@@ -47,7 +47,7 @@ from prefixmesh.replica.kvcache.disk import DiskTier, scan
 from prefixmesh.replica.kvcache.folders import cache_folder, measure_read_rate, rank_folder
 from prefixmesh.replica.kvcache.loader import BackgroundLoader
 from prefixmesh.replica.kvcache.planner import LoadCosts, StepPlan, TierPlanner
-from prefixmesh.replica.kvcache.policy import ManualClock, make_policy
+from prefixmesh.replica.kvcache.policy import ManualClock, make_tier_policy
 from prefixmesh.replica.kvcache.policy.base import BlockRef
 from prefixmesh.replica.kvcache.prefill_rate import PrefillRateMeter
 from prefixmesh.replica.kvcache.shared import SharedDirIndex
@@ -90,6 +90,8 @@ class _RequestState:
     match_start: int = 0
     match_blocks: int = 0
     match_async: bool = False
+    scheduled: bool = False
+    """The scheduler looked at it (the policy heard of its use then, as it runs)."""
 
 
 class PrefixmeshConnector(KVConnectorBase_V1):
@@ -168,6 +170,12 @@ class PrefixmeshConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ------------------------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        """vLLM added ``request`` to its waiting queue: with ``kvcache.lookahead_requests``,
+        the policy hears of the blocks it is about to load."""
+        if self._scheduler is not None:
+            self._scheduler.arrived(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -178,6 +186,7 @@ class PrefixmeshConnector(KVConnectorBase_V1):
         self, request: Request, blocks: Any, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
+        self._scheduler.started(request.request_id)
         if num_external_tokens > 0:
             self._scheduler.plan_loads(request, blocks.get_block_ids()[0], num_external_tokens)
 
@@ -240,14 +249,14 @@ class _SchedulerSide:
         # another model): the steps themselves say what a recompute costs here.
         self._prefill_rate = PrefillRateMeter(prefill_tokens_per_s, min_tokens=2 * page_tokens)
         self._clock = ManualClock()
-        policy = make_policy(
-            settings.policy,
+        managed = make_tier_policy(
             settings,
             clock=self._clock,
             block_tokens=connector._block_size,
             capacities=(capacity[Tier.CPU], capacity[Tier.DISK]),
         )
-        self.planner = TierPlanner(policy, capacity, costs, share=shared_blocks > 0)
+        self._queue = managed.queue
+        self.planner = TierPlanner(managed.policy, capacity, costs, share=shared_blocks > 0)
         self._shared: SharedDirIndex | None = None
         if shared_blocks:
             self._shared = SharedDirIndex(
@@ -266,7 +275,8 @@ class _SchedulerSide:
         """The same for each asynchronous load until the worker reports it done."""
         logger.info(
             "prefixmesh KV connector: %d CPU blocks, %d disk blocks, %d shared blocks of %d "
-            "bytes (%d restored); read %.2f / %.2f / %.2f GB/s, prefill %.0f tokens/s, policy %s",
+            "bytes (%d restored); read %.2f / %.2f / %.2f GB/s, prefill %.0f tokens/s, policy %s"
+            " (lookahead over %d waiting requests)",
             capacity[Tier.CPU],
             capacity[Tier.DISK],
             shared_blocks,
@@ -277,6 +287,7 @@ class _SchedulerSide:
             shared_rate / 1e9,
             prefill_tokens_per_s,
             settings.policy,
+            settings.lookahead_requests,
         )
 
     def _state(self, request: Request) -> _RequestState:
@@ -284,9 +295,6 @@ class _SchedulerSide:
         if state is None:
             state = self._requests[request.request_id] = _RequestState(request)
             self._extend(state, len(request.prompt_token_ids or ()) // self._c._block_size)
-            self._clock.set(time.monotonic())
-            refs = [_ref(state.blocks, i) for i in range(len(state.blocks))]
-            self.planner.on_request(refs)
         return state
 
     def _extend(self, state: _RequestState, num_blocks: int) -> None:
@@ -299,9 +307,25 @@ class _SchedulerSide:
         parent = state.blocks[-1] if state.blocks else None
         state.blocks.extend(self._c._hasher.chain(parent, tokens))
 
+    def arrived(self, request: Request) -> None:
+        """A request joined the engine's waiting queue: its blocks are hashed, and a lookahead
+        hears what it is about to load."""
+        state = self._state(request)
+        if self._queue is not None:
+            self._queue.queued(request.request_id, state.blocks)
+
+    def started(self, request_id: str) -> None:
+        """It left the waiting queue (its blocks are allocated, or it finished waiting)."""
+        if self._queue is not None:
+            self._queue.started(request_id)
+
     def match(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens to load and whether asynchronously (vLLM's ``get_num_new_matched_tokens``)."""
         state = self._state(request)
+        if not state.scheduled:  # a use is when it runs, not while it waits
+            state.scheduled = True
+            self._clock.set(time.monotonic())
+            self.planner.on_request([_ref(state.blocks, i) for i in range(len(state.blocks))])
         size = self._c._block_size
         start = num_computed_tokens // size
         limit = (request.num_tokens - 1) // size
@@ -372,6 +396,7 @@ class _SchedulerSide:
 
     def finished(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self.started(request_id)  # aborted while it waited
 
     def close(self) -> None:
         if self._shared is not None:
