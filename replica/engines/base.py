@@ -49,6 +49,9 @@ class EngineLoad:
     event_gaps: int = 0
     """Times the engine's own cache-event stream lost events and the replica's view was
     cleared (vLLM's numbered ZMQ batches)."""
+    connector_stats: tuple[tuple[str, int], ...] = ()
+    """Our KV connector's counts since the engine started, and its states, by name
+    (``replica/kvcache/connector_stats.py``; empty without tiers)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,11 +66,15 @@ class _StatsCapture:
         self.queries = 0
         self.hits = 0
         self.external_hits = 0
+        self.connector: dict[str, int] = {}
+        """Our KV connector's counts (summed) and states (``connector_stats``)."""
         self.intervals = TokenIntervals()
 
 
 def _stat_logger_factory(capture: _StatsCapture) -> Any:
     from vllm.v1.metrics.loggers import StatLoggerBase
+
+    from prefixmesh.replica.kvcache.connector_stats import merge
 
     class CapturingStatLogger(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
@@ -88,6 +92,8 @@ def _stat_logger_factory(capture: _StatsCapture) -> Any:
                 external = scheduler_stats.connector_prefix_cache_stats
                 if external is not None:
                     capture.external_hits += external.hits
+                if scheduler_stats.kv_connector_stats:
+                    capture.connector = merge(capture.connector, scheduler_stats.kv_connector_stats)
 
         def log_engine_initialized(self) -> None:
             pass
@@ -289,6 +295,7 @@ class VllmEngine:
             prefix_cache_hit_tokens=self._stats.hits,
             external_prefix_cache_hit_tokens=self._stats.external_hits,
             event_gaps=self._events.gaps,
+            connector_stats=tuple(sorted(self._stats.connector.items())),
         )
 
     def take_token_intervals(self) -> tuple[float, ...]:

@@ -37,12 +37,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
 from prefixmesh.config import KVCacheConfig, PrefixmeshConfig
 from prefixmesh.kernels.ops import PagedKVCache
 from prefixmesh.replica.kv_events import OWN_EVENTS
+from prefixmesh.replica.kvcache.connector_stats import (
+    USABLE,
+    PrefixmeshConnectorStats,
+    PrefixmeshPromMetrics,
+    counts_since,
+)
 from prefixmesh.replica.kvcache.disk import DiskTier, scan
 from prefixmesh.replica.kvcache.folders import cache_folder, measure_read_rate, rank_folder
 from prefixmesh.replica.kvcache.loader import BackgroundLoader
@@ -214,6 +221,27 @@ class PrefixmeshConnector(KVConnectorBase_V1):
             return []
         return self._scheduler.events()
 
+    # ---- telemetry (both sides; vLLM adds them up for the frontend's stat loggers) -------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._scheduler if self._scheduler is not None else self._worker
+        data = side.stats() if side is not None else {}
+        return PrefixmeshConnectorStats(data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return PrefixmeshConnectorStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PrefixmeshPromMetrics:
+        return PrefixmeshPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
 
 class _SchedulerSide:
     def __init__(
@@ -234,6 +262,8 @@ class _SchedulerSide:
         }
         shared_blocks = int(settings.shared_tier_gib * 2**30) // page_bytes
         shared_rate = (settings.shared_read_gb_per_s or 0) * 1e9 or 1.0
+        self._states: dict[str, int] = {USABLE: 1} if shared_blocks else {}
+        """States not yet reported (the shared tier's, when there is one)."""
         if shared_blocks and not settings.shared_read_gb_per_s:
             try:
                 shared_rate = measure_read_rate(connector._shared_root)
@@ -242,6 +272,8 @@ class _SchedulerSide:
                     "no shared KV tier: %s cannot be used (%s)", connector._shared_root, exc
                 )
                 shared_blocks = 0
+                self._states = {USABLE: 0}
+        self._reported: dict[str, int] = {}
         costs = LoadCosts(
             connector._block_size, page_bytes, prefill_tokens_per_s, rates, shared_rate
         )
@@ -402,6 +434,28 @@ class _SchedulerSide:
         if self._shared is not None:
             self._shared.close()
 
+    def stats(self) -> dict[str, int]:
+        """The counts since the last call, and any state not yet reported."""
+        counters = self.planner.counters
+        now = {
+            "cpu_loads": counters.loads[Tier.CPU],
+            "disk_loads": counters.loads[Tier.DISK],
+            "shared_loads": counters.shared_loads,
+            "cpu_stores": counters.stores[Tier.CPU],
+            "disk_stores": counters.stores[Tier.DISK],
+            "shares": counters.shares,
+            "moves": counters.moves,
+            "drops": sum(counters.drops.values()),
+            "rejected": counters.rejected,
+            "loads_declined": counters.loads_declined,
+            "async_loads": counters.async_loads,
+            "shared_scan_errors": self._shared.scan_errors if self._shared is not None else 0,
+        }
+        moved = counts_since(now, self._reported)
+        self._reported = now
+        states, self._states = self._states, {}
+        return {**moved, **states}
+
     def events(self) -> list[Any]:
         self._loaded.clear()  # a load's failure is reported in the step that ran it
         out: list[Any] = []
@@ -433,6 +487,8 @@ class _WorkerSide:
         self._store: TierStore | None = None
         self._loader: BackgroundLoader | None = None
         self._failed: set[int] = set()
+        self._states: dict[str, int] = {}
+        self._write_errors = 0
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cache = PagedKVCache.of(kv_caches)
@@ -448,6 +504,7 @@ class _WorkerSide:
                 shared = DiskTier(shared_dir, tag, page_bytes, write_once=True, touch_on_read=True)
             except OSError as exc:  # its loads then fail and are recomputed
                 logger.warning("no shared KV tier: %s cannot be used (%s)", shared_dir, exc)
+                self._states[USABLE] = 0
         cpu_blocks = int(settings.cpu_tier_gib * 2**30) // page_bytes
         self._store = TierStore(cache, cpu_blocks, disk, shared)
         if settings.async_loads:
@@ -481,6 +538,19 @@ class _WorkerSide:
     def take_failed(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
+
+    def stats(self) -> dict[str, int]:
+        """Tier files that failed to be written since the last call, and any new state."""
+        store = self._store
+        errors = (
+            0
+            if store is None
+            else sum(tier.write_errors for tier in (store.disk, store.shared) if tier is not None)
+        )
+        moved = counts_since({"write_errors": errors}, {"write_errors": self._write_errors})
+        self._write_errors = errors
+        states, self._states = self._states, {}
+        return {**moved, **states}
 
     def close(self) -> None:
         if self._loader is not None:

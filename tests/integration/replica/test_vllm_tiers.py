@@ -118,7 +118,14 @@ def test_evicted_prompts_come_back_from_the_lower_tiers_exactly(workdir: Path) -
                 tokens, cached = await ask(engine, f"tier-{i}", prompt)
                 assert cached == full, i
                 assert tokens == reference[i], i
-            external = engine.load().external_prefix_cache_hit_tokens
+            load = engine.load()
+            external = load.external_prefix_cache_hit_tokens
+            # The connector's own counts (vLLM's stat loggers carry them): every token the
+            # engine took from the connector is a block it loaded, from CPU or disk.
+            counts = dict.fromkeys(("cpu_loads", "disk_loads", "moves", "disk_stores"), 0)
+            counts.update(load.connector_stats)  # a count that never moved is not reported
+            assert (counts["cpu_loads"] + counts["disk_loads"]) * BLOCK == external, counts
+            assert counts["cpu_stores"] > 0 and counts["moves"] + counts["disk_stores"] > 0
             # The resync snapshot names every tier, exactly what the changes told the registry,
             # and clearing the engine's own cache leaves the connector's tiers in it.
             await asyncio.sleep(0.5)  # the last step's events
@@ -188,18 +195,24 @@ def test_a_replica_serves_a_prefix_another_computed_from_the_shared_tier_exactly
     prompt = tuple(rng.randrange(3, 8000) for _ in range(PROMPT_BLOCKS * BLOCK + 3))
     full = PROMPT_BLOCKS * BLOCK
 
-    async def serve_once(request_id: str) -> tuple[list[int], int, int]:
+    async def serve_once(request_id: str) -> tuple[list[int], int, int, dict[str, int]]:
         engine = await start_engine(cfg, [])
         try:
             tokens, cached = await ask(engine, request_id, prompt)
-            return tokens, cached, engine.load().external_prefix_cache_hit_tokens
+            await ask(engine, f"{request_id}-next", (5, 6, 7))  # its step reports the last one's
+            load = engine.load()
+            return tokens, cached, load.external_prefix_cache_hit_tokens, dict(load.connector_stats)
         finally:
             await engine.shutdown()  # the shared writes are flushed
 
-    computed, cached, external = asyncio.run(serve_once("computer"))
+    computed, cached, external, counts = asyncio.run(serve_once("computer"))
     assert (cached, external) == (0, 0)
     written = list((workdir / "shared").rglob("*.kv"))
     assert len(written) >= PROMPT_BLOCKS, written  # the prompt's blocks (and its output's)
-    loaded, cached, external = asyncio.run(serve_once("reader"))
+    # The connector's own counts reach the replica through vLLM's stat loggers.
+    assert counts["shares"] >= PROMPT_BLOCKS and counts["shared_tier_usable"] == 1, counts
+    assert counts.get("shared_loads", 0) == 0
+    loaded, cached, external, counts = asyncio.run(serve_once("reader"))
     assert (cached, external) == (full, full)
     assert loaded == computed
+    assert counts["shared_loads"] == PROMPT_BLOCKS, counts
