@@ -4,9 +4,9 @@
 Blocks enter it when the engine tier evicts them (a written copy of a block vLLM is about to
 free) and stay after a load back (a write-through copy). The policy decides which held block
 leaves for a new one and whether the new one is worth it (``admit``), and hears each request's
-blocks (``on_request``) and each use (``touch``), as the connector's planner tells it. With a
-``RequestQueue`` (``Lookahead``) it also hears which requests wait at the engine, so it keeps
-what they are about to load.
+blocks when it runs (``on_request``) and each load (``touch``), as the connector's planner
+tells it. With a ``RequestQueue`` (``Lookahead``) it also hears which requests wait at the
+engine, so it keeps what they are about to load.
 """
 
 from __future__ import annotations
@@ -50,15 +50,19 @@ class CpuTier:
 
     # ---- what the engine tells it ----------------------------------------------------------
 
-    def arrived(self, request_id: Hashable, refs: Sequence[BlockRef], category: str = "") -> None:
-        """A request reached the engine with these prompt blocks: hotness, and, with a queue,
-        the blocks it is about to use."""
-        self.policy.on_request(refs, category)
+    def arrived(self, request_id: Hashable, blocks: Sequence[BlockHash]) -> None:
+        """A request with these prompt blocks waits at the engine (a queue hears of it)."""
         if self.queue is not None:
-            self.queue.queued(request_id, [ref.block for ref in refs])
+            self.queue.queued(request_id, blocks)
 
-    def started(self, request_id: Hashable) -> None:
-        """It runs now, or left without running."""
+    def admitted(self, request_id: Hashable, refs: Sequence[BlockRef], category: str = "") -> None:
+        """It runs now: the policy hears of its blocks' use (as the connector's planner tells
+        it when vLLM schedules a request), and its wait is over."""
+        self.policy.on_request(refs, category)
+        self.left(request_id)
+
+    def left(self, request_id: Hashable) -> None:
+        """Its wait is over (it runs, or it left without running)."""
         if self.queue is not None:
             self.queue.started(request_id)
 

@@ -294,7 +294,7 @@ class EngineModel:
             else:
                 self._held.remove(req)
             self._pending_prefill -= req.estimate
-            self.cache.started(request_id)
+            self.cache.left(request_id)
             self._events.append(self._finish(req, now_s, aborted=True))
             return True
         req.aborting = True
@@ -552,7 +552,7 @@ class EngineModel:
         private = total - match.num_blocks
         if not self.cache.acquire(hashes, match.num_blocks, private):
             return -1
-        self.cache.started(spec.request_id)
+        self.cache.admitted(spec.request_id, hashes)
         req.state = _PREFILL
         req.num_hit = match.num_blocks
         req.pins = list(hashes[: match.num_blocks])

@@ -199,15 +199,20 @@ class PrefixCache:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def arrived(self, request_id: str, hashes: Sequence[BlockHash], category: str = "") -> None:
-        """A request with these prompt blocks waits to run (the CPU tier's policy hears it)."""
+    def arrived(self, request_id: str, hashes: Sequence[BlockHash]) -> None:
+        """A request with these prompt blocks waits to run (the CPU tier's queue hears it)."""
         if self.cpu is not None:
-            self.cpu.arrived(request_id, chain_refs(hashes), category)
+            self.cpu.arrived(request_id, hashes)
 
-    def started(self, request_id: str) -> None:
-        """It runs now, or left without running."""
+    def admitted(self, request_id: str, hashes: Sequence[BlockHash]) -> None:
+        """It runs now (its blocks were acquired): the CPU tier's policy hears of the use."""
         if self.cpu is not None:
-            self.cpu.started(request_id)
+            self.cpu.admitted(request_id, chain_refs(hashes))
+
+    def left(self, request_id: str) -> None:
+        """It left without running."""
+        if self.cpu is not None:
+            self.cpu.left(request_id)
 
     def match(self, hashes: Sequence[BlockHash], max_blocks: int) -> PrefixMatch:
         """Leading blocks of ``hashes`` (at most ``max_blocks``) held in the engine tier, the

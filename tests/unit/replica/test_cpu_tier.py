@@ -9,6 +9,7 @@ from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
 from prefixmesh.config import KVCacheConfig
 from prefixmesh.replica.kvcache.policy import (
     BlockRef,
+    LFUPolicy,
     Lookahead,
     LRUPolicy,
     ManualClock,
@@ -62,10 +63,20 @@ def test_a_block_a_waiting_request_needs_outlives_older_ones() -> None:
     lookahead = Lookahead(LRUPolicy())
     tier = CpuTier(2, TierPolicy(lookahead, lookahead))
     tier.write(refs(1, 2))
-    tier.arrived("waiting", refs(1))
+    tier.arrived("waiting", h(1))
     assert tier.write(refs(3)) == (h(3), h(2))  # LRU alone would drop 1
-    tier.started("waiting")
+    tier.admitted("waiting", refs(1))
     assert tier.write(refs(4)) == (h(4), h(1))  # it ran: 1 is least recent again
+
+
+def test_the_policy_hears_of_a_use_when_the_request_runs_not_while_it_waits() -> None:
+    lfu = LFUPolicy()
+    tier = CpuTier(4, TierPolicy(lfu))
+    tier.write(refs(1))
+    tier.arrived("r", h(1))
+    assert lfu.count(BlockHash(1)) == 1  # as inserted
+    tier.admitted("r", refs(1))
+    assert lfu.count(BlockHash(1)) == 2
 
 
 def test_the_prefix_cache_tells_its_cpu_tier_which_requests_wait() -> None:
@@ -86,7 +97,7 @@ def test_the_prefix_cache_tells_its_cpu_tier_which_requests_wait() -> None:
     changes = cache.take_changes()
     assert CacheChange(EventKind.REMOVED, Tier.CPU, (5,)) in changes
     assert BlockHash(1) in cache.cpu_blocks()
-    cache.started("next")
+    cache.left("next")
     assert lookahead.queued_requests == 0
 
 
@@ -103,7 +114,7 @@ def test_every_connector_policy_can_manage_the_cpu_tier(name: str) -> None:
         cache.arrived(str(request), chain)
         match = cache.match(chain, 2)
         assert cache.acquire(chain, match.num_blocks, 2 - match.num_blocks)
-        cache.started(str(request))
+        cache.admitted(str(request), chain)
         stored = cache.store(chain, match.num_blocks)
         cache.release(list(chain[: match.num_blocks]) + stored, 2 - match.num_blocks - len(stored))
         assert len(cache.cpu_blocks()) <= 4
