@@ -48,8 +48,13 @@ class RequestQueue(Protocol):
 
 
 SCAN_LIMIT = 64
-"""Needed blocks the wrapped policy's scan may pass over in one eviction; past that, the least
-recently used unneeded block goes instead of the wrapped policy's pick."""
+"""Blocks (needed or pinned) the wrapped policy's scan may pass over in one eviction; past
+that, the least recently used unneeded block goes instead of the wrapped policy's pick."""
+
+
+MOSTLY_NEEDED = 4
+"""When fewer than 1 in this many held blocks are unneeded, the wrapped policy is not asked:
+the least recently used unneeded block goes (its scan would cost up to ``SCAN_LIMIT``)."""
 
 
 class _LongScan(Exception):
@@ -58,10 +63,10 @@ class _LongScan(Exception):
 
 class _Excluded:
     """``pinned`` or needed by a queued request: what the wrapped policy must not pick. The
-    needed blocks it was asked about are kept in ``met``; past ``limit`` of them the scan is
-    cut short (``_LongScan``)."""
+    needed blocks it was asked about are kept in ``met``; past ``limit`` blocks excluded, the
+    scan is cut short (``_LongScan``)."""
 
-    __slots__ = ("_limit", "_needed", "_pinned", "met")
+    __slots__ = ("_limit", "_needed", "_passed", "_pinned", "met")
 
     def __init__(
         self, pinned: Container[BlockHash], needed: Container[BlockHash], limit: int
@@ -69,17 +74,20 @@ class _Excluded:
         self._pinned = pinned
         self._needed = needed
         self._limit = limit
+        self._passed = 0
         self.met: list[object] = []
 
     def __contains__(self, block: object) -> bool:
         if block in self._pinned:
-            return True
-        if block in self._needed:
+            self._passed += 1
+        elif block in self._needed:
             self.met.append(block)
-            if len(self.met) > self._limit:
-                raise _LongScan
-            return True
-        return False
+            self._passed += 1
+        else:
+            return False
+        if self._passed > self._limit:
+            raise _LongScan
+        return True
 
 
 class Lookahead:
@@ -100,8 +108,6 @@ class Lookahead:
         """Per tier, (-first use, -depth, block) of needed blocks; stale entries are skipped."""
         self._resident: dict[int, int] = {}
         """Per tier, blocks held."""
-        self._needed_resident: dict[int, int] = {}
-        """Per tier, needed blocks held: when they are all, the wrapped policy is not asked."""
         self._unneeded: dict[int, dict[BlockHash, None]] = {}
         """Per tier, the blocks held that no queued request needs, least recently used first
         (the fallback when the wrapped policy's scan runs long)."""
@@ -136,7 +142,6 @@ class Lookahead:
                 self._uses[block] = [sequence]
                 self._push(block)
                 if tier is not None:
-                    self._needed_resident[tier] += 1
                     del self._unneeded[tier][block]
             else:
                 uses.append(sequence)  # the newest request: its number is the largest
@@ -154,7 +159,6 @@ class Lookahead:
                 del self._uses[block]
                 tier = self._tier_of.get(block)
                 if tier is not None:
-                    self._needed_resident[tier] -= 1
                     self._unneeded[tier][block] = None  # used now: the most recent
             elif uses[0] != first:
                 self._push(block)
@@ -175,13 +179,15 @@ class Lookahead:
         heapq.heappush(heap, (-self._uses[block][0], -self._depth[block], block))
 
     def _furthest(self, tier: int, pinned: Container[BlockHash]) -> BlockHash | None:
-        """The needed block of ``tier`` first used furthest ahead (deepest among equals)."""
+        """The needed block of ``tier`` first used furthest ahead (deepest among equals); None
+        when the ``SCAN_LIMIT`` furthest are all pinned (the running request's own blocks,
+        which the queue needs too: nothing goes rather than a scan through all of them)."""
         heap = self._heaps.get(tier)
         if not heap:
             return None
         skipped = []
         found = None
-        while heap:
+        while heap and len(skipped) <= SCAN_LIMIT:
             negative_use, _, block = heap[0]
             uses = self._uses.get(block)
             if uses is None or uses[0] != -negative_use or self._tier_of.get(block) != tier:
@@ -205,10 +211,8 @@ class Lookahead:
         self._tier_of[block.block] = tier
         self._depth[block.block] = block.position
         self._resident[tier] = self._resident.get(tier, 0) + 1
-        self._needed_resident.setdefault(tier, 0)
         unneeded = self._unneeded.setdefault(tier, {})
         if block.block in self._uses:
-            self._needed_resident[tier] += 1
             self._push(block.block)
         else:
             unneeded[block.block] = None
@@ -218,9 +222,7 @@ class Lookahead:
         del self._tier_of[block]
         del self._depth[block]
         self._resident[tier] -= 1
-        if block in self._uses:
-            self._needed_resident[tier] -= 1
-        else:
+        if block not in self._uses:
             del self._unneeded[tier][block]
         self.policy.on_remove(tier, block, dropped)
 
@@ -235,12 +237,18 @@ class Lookahead:
     def victim(self, tier: int, pinned: Container[BlockHash]) -> BlockHash | None:
         if not self._uses:
             return self.policy.victim(tier, pinned)
-        if self._needed_resident.get(tier, 0) < self._resident.get(tier, 0):
+        unneeded = self._unneeded.get(tier)
+        if unneeded and len(unneeded) * MOSTLY_NEEDED < self._resident[tier]:
+            # Mostly needed blocks: the wrapped policy's scan would mostly meet those; the
+            # least recently used unneeded block goes.
+            victim = next((b for b in unneeded if b not in pinned), None)
+            return victim if victim is not None else self._furthest(tier, pinned)
+        if unneeded:
             excluded = _Excluded(pinned, self._uses, SCAN_LIMIT)
             try:
                 victim = self.policy.victim(tier, excluded)
-            except _LongScan:  # its candidates are mostly needed: the oldest unneeded goes
-                victim = next((b for b in self._unneeded[tier] if b not in pinned), None)
+            except _LongScan:  # its candidates are mostly excluded: the oldest unneeded goes
+                victim = next((b for b in unneeded if b not in pinned), None)
             if excluded.met:
                 # Needed blocks the scan had to pass over are marked used, so that the next
                 # scans do not meet them again (a queue's blocks age while it waits): they

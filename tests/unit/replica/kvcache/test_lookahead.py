@@ -6,14 +6,20 @@ from __future__ import annotations
 import random
 from collections.abc import Container
 
+import pytest
+
 from prefixmesh.cache_registry.types import BlockHash
-from prefixmesh.config import HotPrefixConfig
+from prefixmesh.config import HotPrefixConfig, KVCacheConfig
+from prefixmesh.loadtest.cache_sim_cli import to_cache_requests
+from prefixmesh.loadtest.workloads import make_workload
 from prefixmesh.replica.kvcache.cache_sim import CacheRequest, TieredCacheSim
 from prefixmesh.replica.kvcache.policy import (
     BlockRef,
     HotPrefixPolicy,
     Lookahead,
     LRUPolicy,
+    ManualClock,
+    make_tier_policy,
 )
 from prefixmesh.replica.kvcache.policy.lookahead import SCAN_LIMIT
 
@@ -81,22 +87,32 @@ def test_the_scan_meets_an_aged_needed_block_once_not_at_every_eviction() -> Non
     assert policy.needed(BlockHash(1)) and policy.first_use(BlockHash(1)) == 0
 
 
-def test_a_scan_through_mostly_needed_blocks_is_cut_short_for_the_oldest_unneeded() -> None:
+def test_a_long_scan_is_cut_short_for_the_oldest_unneeded_block() -> None:
     lru = CountingLRU()
     policy = Lookahead(lru)
-    count = SCAN_LIMIT + 6
-    for i in [*range(1, count + 1), 1000, 1001]:
+    needed, unneeded = range(1, SCAN_LIMIT + 7), range(1000, 1030)
+    for i in [*needed, *unneeded]:
         policy.on_insert(0, BlockRef(BlockHash(i), None, 0))
-    policy.queued("backlog", blocks(*range(1, count + 1)))
+    policy.queued("backlog", blocks(*needed))
     policy.touch(0, [BlockRef(BlockHash(1000), None, 0)])  # 1001 is now the oldest unneeded
     assert policy.victim(0, set()) == BlockHash(1001)
-    assert lru.asked == SCAN_LIMIT + 1  # cut at the first needed block past the limit
+    assert lru.asked == SCAN_LIMIT + 1  # cut at the first block past the limit
     lru.asked = 0
     # The needed blocks it passed over went behind the rest: the next scan is short.
-    assert policy.victim(0, {BlockHash(1001)}) == BlockHash(1000)
-    assert lru.asked < 10
-    policy.started("backlog")  # plain LRU again
-    assert policy.victim(0, {BlockHash(1000), BlockHash(1001)}) == BlockHash(1)
+    assert policy.victim(0, {BlockHash(1001)}) == BlockHash(1002)
+    assert lru.asked == 7  # 5 needed, 1001 pinned, then 1002
+    policy.started("backlog")  # plain LRU again (nothing was removed: 1001 is the oldest)
+    assert policy.victim(0, set()) == BlockHash(1001)
+
+
+def test_when_almost_every_block_is_needed_the_wrapped_policy_is_not_asked() -> None:
+    lru = CountingLRU()
+    policy = Lookahead(lru)
+    for i in [*range(1, 31), 1000, 1001]:
+        policy.on_insert(0, BlockRef(BlockHash(i), None, 0))
+    policy.queued("backlog", blocks(*range(1, 31)))
+    assert policy.victim(0, {BlockHash(1000)}) == BlockHash(1001)
+    assert lru.asked == 0
 
 
 def test_all_needed_the_first_use_furthest_ahead_goes_deepest_first() -> None:
@@ -175,3 +191,31 @@ def test_a_queue_longer_than_the_cache_pins_nothing_and_keeps_the_tiers_whole() 
                 depth = int(block) % 100
                 if depth:  # its parent is held somewhere: whole chains only
                     assert sim.tier_of(BlockHash(int(block) - 1)) is not None
+
+
+@pytest.mark.parametrize(
+    ("workload", "fraction", "lower_tiers", "window"),
+    [
+        ("fewshot", 0.05, (), 8),
+        ("fewshot", 0.1, (1.0, 2.0), 64),
+        ("multiturn", 0.05, (), 64),
+        ("multiturn", 0.2, (1.0,), 8),
+        ("groups", 0.05, (1.0,), 64),  # 64 waiting requests need more than every tier holds
+    ],
+)
+def test_the_default_policy_with_its_lookahead_never_below_lru(
+    workload: str, fraction: float, lower_tiers: tuple[float, ...], window: int
+) -> None:
+    """Issue 18: the default (``kvcache.policy`` with ``kvcache.lookahead_requests``) keeps at
+    least 0.99x LRU's hits over sizes, tier counts and queue lengths."""
+    params = {"system_prompt_tokens": 2048} if workload == "groups" else {}
+    requests = to_cache_requests(make_workload(workload, params).generate(800, 1.0, 7), 16)
+    distinct = len({b for r in requests for b in (*r.blocks, *r.output_blocks)})
+    engine = max(1, round(fraction * distinct))
+    capacities = (engine, *(round(r * engine) for r in lower_tiers))
+    lru = TieredCacheSim(capacities, LRUPolicy()).run(requests)
+    clock = ManualClock()
+    managed = make_tier_policy(KVCacheConfig(), clock=clock, block_tokens=16, capacities=capacities)
+    assert managed.queue is not None  # the default has a lookahead
+    looking = TieredCacheSim(capacities, managed.policy, clock).run(requests, managed.queue, window)
+    assert looking.hits >= 0.99 * lru.hits, (looking.hits, lru.hits)
