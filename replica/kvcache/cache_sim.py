@@ -33,6 +33,7 @@ from prefixmesh.replica.kvcache.policy.base import (
     BlockRef,
     CachePolicy,
     ManualClock,
+    chain_refs,
 )
 from prefixmesh.replica.kvcache.policy.belady import NEVER, FutureUses
 from prefixmesh.replica.kvcache.policy.lookahead import RequestQueue
@@ -201,7 +202,7 @@ class TieredCacheSim:
             self.clock.set(request.time_s)
         blocks = request.blocks
         chain = blocks + request.output_blocks if request.output_blocks else blocks
-        refs = [BlockRef(block, chain[i - 1] if i else None, i) for i, block in enumerate(chain)]
+        refs = chain_refs(chain)
         hits = [0] * len(self.capacities)
         tier_of = self._tier_of
         run = 0

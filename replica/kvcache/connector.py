@@ -55,7 +55,7 @@ from prefixmesh.replica.kvcache.folders import cache_folder, measure_read_rate, 
 from prefixmesh.replica.kvcache.loader import BackgroundLoader
 from prefixmesh.replica.kvcache.planner import LoadCosts, StepPlan, TierPlanner
 from prefixmesh.replica.kvcache.policy import ManualClock, make_tier_policy
-from prefixmesh.replica.kvcache.policy.base import BlockRef
+from prefixmesh.replica.kvcache.policy.base import chain_refs
 from prefixmesh.replica.kvcache.prefill_rate import PrefillRateMeter
 from prefixmesh.replica.kvcache.shared import SharedDirIndex
 from prefixmesh.replica.kvcache.store import TierStore
@@ -357,7 +357,7 @@ class _SchedulerSide:
         if not state.scheduled:  # a use is when it runs, not while it waits
             state.scheduled = True
             self._clock.set(time.monotonic())
-            self.planner.on_request([_ref(state.blocks, i) for i in range(len(state.blocks))])
+            self.planner.on_request(chain_refs(state.blocks))
         size = self._c._block_size
         start = num_computed_tokens // size
         limit = (request.num_tokens - 1) // size
@@ -403,7 +403,7 @@ class _SchedulerSide:
                 continue
             self._extend(state, end)
             block_ids = manager.get_block_ids(req_id)[0]
-            refs = [_ref(state.blocks, i) for i in range(min(end, len(block_ids)))]
+            refs = chain_refs(state.blocks[: min(end, len(block_ids))])
             for ref in refs[state.offered :]:
                 self.planner.offer(ref, block_ids[ref.position])
             self.planner.touch(refs)
@@ -547,20 +547,15 @@ class _WorkerSide:
             if store is None
             else sum(tier.write_errors for tier in (store.disk, store.shared) if tier is not None)
         )
-        moved = counts_since({"write_errors": errors}, {"write_errors": self._write_errors})
-        self._write_errors = errors
+        moved, self._write_errors = errors - self._write_errors, errors
         states, self._states = self._states, {}
-        return {**moved, **states}
+        return {"write_errors": moved, **states} if moved else states
 
     def close(self) -> None:
         if self._loader is not None:
             self._loader.close()
         if self._store is not None:
             self._store.close()
-
-
-def _ref(blocks: list[BlockHash], index: int) -> BlockRef:
-    return BlockRef(blocks[index], blocks[index - 1] if index else None, index)
 
 
 def _page_bytes(kv_cache_config: Any) -> int:

@@ -19,11 +19,6 @@ from prefixmesh.replica.kvcache.policy import BlockRef, LRUPolicy, TierPolicy
 CPU = int(Tier.CPU)
 
 
-def chain_refs(hashes: Sequence[BlockHash], start: int = 0) -> list[BlockRef]:
-    """``hashes[start:]`` as block references (each block's parent is the one before it)."""
-    return [BlockRef(hashes[i], hashes[i - 1] if i else None, i) for i in range(start, len(hashes))]
-
-
 class CpuTier:
     """At most ``capacity_blocks`` blocks, managed by ``managed_by`` (LRU unless given)."""
 

@@ -174,6 +174,12 @@ class TieredQueues:
         return None
 
 
+def chain_refs(hashes: Sequence[BlockHash], start: int = 0) -> list[BlockRef]:
+    """``hashes[start:]`` (one prompt's chained block hashes) as block references: each
+    block's parent is the one before it, its position its index."""
+    return [BlockRef(hashes[i], hashes[i - 1] if i else None, i) for i in range(start, len(hashes))]
+
+
 def deepest_first(blocks: Sequence[BlockRef]) -> list[BlockRef]:
     """``blocks`` in the order to mark them used: the deepest first, so it ends up least recent."""
     return sorted(blocks, key=lambda ref: -ref.position)

@@ -16,7 +16,8 @@ from prefixmesh.replica.kvcache.policy import (
     TierPolicy,
     make_tier_policy,
 )
-from prefixmesh.replica.model.cpu_tier import CpuTier, chain_refs
+from prefixmesh.replica.kvcache.policy.base import chain_refs
+from prefixmesh.replica.model.cpu_tier import CpuTier
 from prefixmesh.replica.model.prefix_cache import CacheChange, PrefixCache
 
 
