@@ -54,7 +54,7 @@ lint: install-dev
 	$(BIN)/ruff format --check .
 
 test: install-dev lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -rs
 
 bench: install-dev
 	$(BIN)/prefixmesh registry-bench --backend memory --json bench-registry-memory.json
