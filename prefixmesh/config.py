@@ -745,7 +745,29 @@ class WorkloadAwareConfig(_Section):
     """Last-access records kept, including blocks no tier holds (to measure their reuse)."""
 
 
-SinglePolicyName = Literal["lru", "lfu", "hotprefix", "workload"]
+class NextUseConfig(_Section):
+    """The ``nextuse`` policy (``replica/kvcache/policy/nextuse.py``): each block's next use
+    predicted by a table learned online from the cache's own history (use count, depth in the
+    prompt, turn), and the block predicted furthest away goes first."""
+
+    horizon_s: float = Field(default=600.0, gt=0)
+    """A use not followed by another within this long is counted as "not used again"."""
+    resolution_s: float = Field(default=0.05, gt=0)
+    """Width of the shortest gap bin; the bins double from there."""
+    bins: int = Field(default=24, ge=2, le=64)
+    """Gap bins per feature cell (24 from 0.05 s reach 9.7 days)."""
+    refit_samples: int = Field(default=1024, ge=1)
+    """Closed samples between refits of the prediction tables; each refit halves the counts
+    before it, so the model follows a change of workload."""
+    min_samples: int = Field(default=64, ge=1)
+    """A cell with fewer samples predicts from all cells pooled; with fewer pooled, recency
+    alone decides (LRU)."""
+    max_tracked_blocks: int = Field(default=262_144, ge=1)
+    """Blocks whose latest use is remembered, including blocks no tier holds (to measure their
+    reuse)."""
+
+
+SinglePolicyName = Literal["lru", "lfu", "hotprefix", "workload", "nextuse"]
 """The cache policies that decide alone (the adaptive policy's candidates)."""
 
 
@@ -779,6 +801,8 @@ class KVCacheConfig(_Section):
     """Settings of the ``workload`` (workload-aware) policy."""
     adaptive: AdaptiveConfig = AdaptiveConfig()
     """Settings of the ``adaptive`` policy."""
+    nextuse: NextUseConfig = NextUseConfig()
+    """Settings of the ``nextuse`` (predicted next use) policy."""
     lookahead_requests: int = Field(default=64, ge=0)
     """Tell the policy the prompts of up to this many requests waiting in the engine (vLLM's
     waiting queue, which the KV connector hears of as each request arrives), so that it keeps

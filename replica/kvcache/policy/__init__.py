@@ -22,10 +22,11 @@ from prefixmesh.replica.kvcache.policy.base import (
 from prefixmesh.replica.kvcache.policy.belady import NEVER, BeladyPolicy, FutureUses
 from prefixmesh.replica.kvcache.policy.hotprefix import HotPrefixPolicy
 from prefixmesh.replica.kvcache.policy.lookahead import DEFAULT_MAX_QUEUED, Lookahead, RequestQueue
+from prefixmesh.replica.kvcache.policy.nextuse import NextUsePolicy
 from prefixmesh.replica.kvcache.policy.simple import LFUPolicy, LRUPolicy
 from prefixmesh.replica.kvcache.policy.workload import ReuseFit, WorkloadAwarePolicy
 
-POLICY_NAMES: tuple[str, ...] = ("lru", "lfu", "hotprefix", "workload", "adaptive")
+POLICY_NAMES: tuple[str, ...] = ("lru", "lfu", "hotprefix", "workload", "nextuse", "adaptive")
 
 
 def make_policy(
@@ -64,6 +65,8 @@ def make_policy(
         return HotPrefixPolicy(config.hotprefix, block_tokens=block_tokens)
     if name == "workload":
         return WorkloadAwarePolicy(config.workload, clock=clock)
+    if name == "nextuse":
+        return NextUsePolicy(config.nextuse, clock=clock)
     raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
@@ -117,6 +120,7 @@ __all__ = [
     "LRUPolicy",
     "Lookahead",
     "ManualClock",
+    "NextUsePolicy",
     "Promotion",
     "RequestQueue",
     "ReuseFit",

@@ -142,7 +142,7 @@ def test_all_policies_read_against_lru_and_belady(
     report = json.loads(out.read_text())
     assert report["default_policy"] == "workload"
     rows = {r["policy"]: r for r in report["results"]}
-    assert list(rows) == ["lru", "lfu", "hotprefix", "workload", "adaptive", "belady"]
+    assert list(rows) == ["lru", "lfu", "hotprefix", "workload", "nextuse", "adaptive", "belady"]
     assert report["references"] == [
         {"capacity_blocks": [2], "lru_hit_rate": pytest.approx(1 / 6, abs=1e-6),
          "belady_hit_rate": pytest.approx(2 / 6, abs=1e-6)}

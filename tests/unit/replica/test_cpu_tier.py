@@ -102,7 +102,7 @@ def test_the_prefix_cache_tells_its_cpu_tier_which_requests_wait() -> None:
     assert lookahead.queued_requests == 0
 
 
-@pytest.mark.parametrize("name", ["lru", "lfu", "hotprefix", "workload", "adaptive"])
+@pytest.mark.parametrize("name", ["lru", "lfu", "hotprefix", "workload", "nextuse", "adaptive"])
 def test_every_connector_policy_can_manage_the_cpu_tier(name: str) -> None:
     clock = ManualClock()
     config = KVCacheConfig(policy=name, lookahead_requests=8)
