@@ -246,6 +246,15 @@ class ReplicaServer:
         finish_reason: str | None = None
         inflight = self.holds.inflight
         key = request.key
+        announced = False  # the engine was told the request waits here
+
+        def waits_here() -> None:
+            # Held back before the engine: its cache policy may keep what this one will need.
+            nonlocal announced
+            if not announced:
+                announced = True
+                self.engine.announce(rid, key.block_hashes)
+
         try:
             hold = self.holds.hold_for(
                 request.hold,
@@ -254,10 +263,14 @@ class ReplicaServer:
                 self._prefill_rate,
             )
             if hold is not None:
+                waits_here()
                 held_s = await self.holds.wait(hold, key, from_router=request.hold is not None)
             trace.queued(hold, held_s)
             if self.fair is not None:
-                await self.fair.enter(self._fair_ticket(request))
+                await self.fair.enter(self._fair_ticket(request), waits_here)
+            if announced:
+                announced = False
+                self.engine.withdraw(rid)
             inflight.started(rid, key, len(request.prompt_token_ids))
             engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling)
             stream = self.engine.generate(engine_request)
@@ -288,6 +301,8 @@ class ReplicaServer:
             trace.failed(exc)
             raise
         finally:
+            if announced:
+                self.engine.withdraw(rid)
             if self.progress is not None:
                 self.progress.finished(rid)
             if self.fair is not None:

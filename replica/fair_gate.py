@@ -8,6 +8,7 @@ A request cancelled while it waits (client gone, timeout) leaves the queue.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from prefixmesh.config import FairShareConfig
 from prefixmesh.replica.fair_share import FairQueue, FairTicket
@@ -24,12 +25,15 @@ class FairGate:
             return None
         return cls(FairQueue(fair_share.prefill_budget_tokens, fair_share.output_weight))
 
-    async def enter(self, ticket: FairTicket) -> float:
-        """Wait until the request may start; returns the seconds it waited."""
+    async def enter(self, ticket: FairTicket, on_wait: Callable[[], None] | None = None) -> float:
+        """Wait until the request may start; returns the seconds it waited. ``on_wait`` is
+        called first when it must wait."""
         started = self.queue.arrive(ticket)
         if ticket.request_id in started:
             self._start(started)
             return 0.0
+        if on_wait is not None:
+            on_wait()
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters[ticket.request_id] = waiter

@@ -98,6 +98,16 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    def announce(self, request_id: str, blocks: Sequence[BlockHash]) -> None:
+        """``request_id`` (its prompt's chained block hashes) waits at the replica before it
+        reaches the engine (a delay-hit hold, the fair-share gate): the engine's cache policy
+        may keep what it is about to need. A hint; it never blocks."""
+        ...
+
+    def withdraw(self, request_id: str) -> None:
+        """It no longer waits at the replica (it is submitted now, or left)."""
+        ...
+
     def load(self) -> EngineLoad: ...
 
     def residency(self) -> Residency:

@@ -314,6 +314,12 @@ class RemoteEngine:
             async with self._session.post("/engine/abort", json={"request_id": request_id}):
                 pass
 
+    def announce(self, request_id: str, blocks: Sequence[BlockHash]) -> None:
+        """Nothing: the remote engine's server takes no notices of waits."""
+
+    def withdraw(self, request_id: str) -> None:
+        """Nothing (``announce``)."""
+
     def capacity(self) -> dict[str, float]:
         return dict(self._capacity)
 

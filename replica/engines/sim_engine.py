@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from prefixmesh.cache_registry.hashing import BlockHasher
-from prefixmesh.cache_registry.types import EventKind, Tier
+from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
 from prefixmesh.replica.engines.base import (
     BlockChange,
     CacheChangeSink,
@@ -169,6 +169,12 @@ class SimEngine:
     async def abort(self, request_id: str) -> None:
         self.model.abort(request_id, self._now())
         self._wake.set()
+
+    def announce(self, request_id: str, blocks: Sequence[BlockHash]) -> None:
+        """Nothing: the engine model's CPU tier hears only of its own queue."""
+
+    def withdraw(self, request_id: str) -> None:
+        """Nothing (``announce``)."""
 
     def capacity(self) -> dict[str, float]:
         """In wall-clock terms: a time scale of 2 halves the rates and doubles the times."""

@@ -11,13 +11,15 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.redis_server import free_port
+from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.replica.engines.base import (
     CacheChangeSink,
     EngineChunk,
@@ -27,6 +29,7 @@ from prefixmesh.replica.engines.base import (
     TokenIntervals,
 )
 from prefixmesh.replica.kv_events import VllmEventStream, VllmEventTranslator
+from prefixmesh.replica.kvcache.waiting_channel import NoticeSender
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +120,9 @@ class VllmEngine:
         self._prefill_tokens_per_s = settings.prefill_tokens_per_s
         self._decode_step_s = settings.decode_step_s
         self._shared_read_bytes_per_s = settings.shared_read_bytes_per_s or 0.0
+        self._notices: NoticeSender | None = None
+        """To the KV connector's lookahead: the requests the replica holds back."""
+        self._notices_dir: tempfile.TemporaryDirectory[str] | None = None
 
     async def start(self) -> None:
         import zmq
@@ -137,13 +143,22 @@ class VllmEngine:
         self._events_task = asyncio.get_running_loop().create_task(self._consume_events())
         transfer = None
         if s.kv_connector_extra is not None:
-            from prefixmesh.replica.kvcache.connector import CONNECTOR_MODULE, CONNECTOR_NAME
+            from prefixmesh.replica.kvcache.connector import (
+                CONNECTOR_MODULE,
+                CONNECTOR_NAME,
+                WAITING_SOCKET,
+            )
 
+            # The connector runs in vLLM's engine-core process: a socket of our own tells its
+            # lookahead of the requests this replica holds before they reach the engine.
+            self._notices_dir = tempfile.TemporaryDirectory(prefix="prefixmesh-waits-")
+            socket_path = os.path.join(self._notices_dir.name, "s")
+            self._notices = NoticeSender(socket_path)
             transfer = KVTransferConfig(
                 kv_connector=CONNECTOR_NAME,
                 kv_connector_module_path=CONNECTOR_MODULE,
                 kv_role="kv_both",
-                kv_connector_extra_config=s.kv_connector_extra,
+                kv_connector_extra_config={**s.kv_connector_extra, WAITING_SOCKET: socket_path},
             )
         args = AsyncEngineArgs(
             model=s.model_path,
@@ -265,6 +280,14 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
 
+    def announce(self, request_id: str, blocks: Sequence[BlockHash]) -> None:
+        if self._notices is not None:
+            self._notices.waiting(request_id, blocks)
+
+    def withdraw(self, request_id: str) -> None:
+        if self._notices is not None:
+            self._notices.left(request_id)
+
     def capacity(self) -> dict[str, float]:
         s = self.settings
         return {
@@ -327,3 +350,7 @@ class VllmEngine:
             self._engine = None
         if self._socket is not None:
             self._socket.close(linger=0)
+        if self._notices is not None:
+            self._notices.close()
+        if self._notices_dir is not None:
+            self._notices_dir.cleanup()

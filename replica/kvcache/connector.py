@@ -59,6 +59,7 @@ from prefixmesh.replica.kvcache.policy.base import chain_refs
 from prefixmesh.replica.kvcache.prefill_rate import PrefillRateMeter
 from prefixmesh.replica.kvcache.shared import SharedDirIndex
 from prefixmesh.replica.kvcache.store import TierStore
+from prefixmesh.replica.kvcache.waiting_channel import NoticeReceiver, tell
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,6 +71,11 @@ logger = logging.getLogger(__name__)
 
 CONNECTOR_NAME = "PrefixmeshConnector"
 CONNECTOR_MODULE = __name__
+
+
+WAITING_SOCKET = "waiting_socket"
+"""Extra-config key: where the replica sends notices of the requests it holds back (optional;
+the engine adapter adds it)."""
 
 
 def connector_extra_config(config: PrefixmeshConfig, prefill_tokens_per_s: float) -> dict[str, Any]:
@@ -115,6 +121,7 @@ class PrefixmeshConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         # Blocks of another model, block size, hash seed or TP degree never mix on disk.
         self._disk_root = cache_folder(self._settings.disk_dir, self._hasher)
+        self._waiting_socket: str | None = extra.get(WAITING_SOCKET)
         self._shared_root = cache_folder(self._settings.shared_dir, self._hasher)
         fingerprint = self._disk_root.name
         self._layout_tag = f"{fingerprint}/tp{parallel.tensor_parallel_size}"
@@ -288,6 +295,15 @@ class _SchedulerSide:
             capacities=(capacity[Tier.CPU], capacity[Tier.DISK]),
         )
         self._queue = managed.queue
+        self._outside: NoticeReceiver | None = None
+        """Requests the replica holds back before the engine (``waiting_channel.py``)."""
+        self._outside_waits = 0
+        socket_path = connector._waiting_socket
+        if socket_path and self._queue is not None:
+            try:
+                self._outside = NoticeReceiver(socket_path)
+            except OSError as exc:  # the lookahead still hears vLLM's own queue
+                logger.warning("lookahead: held requests unheard at %s (%s)", socket_path, exc)
         self.planner = TierPlanner(managed.policy, capacity, costs, share=shared_blocks > 0)
         self._shared: SharedDirIndex | None = None
         if shared_blocks:
@@ -344,7 +360,13 @@ class _SchedulerSide:
         hears what it is about to load."""
         state = self._state(request)
         if self._queue is not None:
+            self.hear_outside()  # its own wait outside ends before it arrives here
             self._queue.queued(request.request_id, state.blocks)
+
+    def hear_outside(self) -> None:
+        """Tell the lookahead of the requests the replica started or stopped holding back."""
+        if self._outside is not None and self._queue is not None:
+            self._outside_waits += tell(self._queue, self._outside.drain())
 
     def started(self, request_id: str) -> None:
         """It left the waiting queue (its blocks are allocated, or it finished waiting)."""
@@ -380,6 +402,7 @@ class _SchedulerSide:
             loaded[job.engine_block] = (job.block, None if job.shared else job.tier)
 
     def step(self, output: SchedulerOutput) -> StepPlan:
+        self.hear_outside()
         size = self._c._block_size
         meter = self._prefill_rate
         samples = meter.samples
@@ -433,6 +456,8 @@ class _SchedulerSide:
     def close(self) -> None:
         if self._shared is not None:
             self._shared.close()
+        if self._outside is not None:
+            self._outside.close()
 
     def stats(self) -> dict[str, int]:
         """The counts since the last call, and any state not yet reported."""
@@ -450,6 +475,7 @@ class _SchedulerSide:
             "loads_declined": counters.loads_declined,
             "async_loads": counters.async_loads,
             "shared_scan_errors": self._shared.scan_errors if self._shared is not None else 0,
+            "outside_waits": self._outside_waits,
         }
         moved = counts_since(now, self._reported)
         self._reported = now

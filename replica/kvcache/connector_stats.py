@@ -39,6 +39,7 @@ COUNTERS: dict[str, str] = {
     "async_loads": "Requests whose blocks were loaded beside the engine's steps",
     "write_errors": "Tier files that could not be written (a full or unwritable disk)",
     "shared_scan_errors": "Listings of the shared folder that failed",
+    "outside_waits": "Requests the replica held before the engine, told to the lookahead",
 }
 USABLE = "shared_tier_usable"
 STATES: dict[str, str] = {

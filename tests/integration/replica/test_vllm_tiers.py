@@ -114,10 +114,15 @@ def test_evicted_prompts_come_back_from_the_lower_tiers_exactly(workdir: Path) -
                 await ask(engine, f"cold-{i}", prompt)
                 reference[i], cached = await ask(engine, f"hit-{i}", prompt)
                 assert cached == full
+            # A request the replica holds back reaches the connector's lookahead, in vLLM's
+            # engine-core process, through the notices' socket (drained at each step).
+            engine.announce("held", make_hasher(cfg).hash_tokens(prompts[4]).block_hashes)
             for i, prompt in enumerate(prompts):  # prompts 0-2 left the engine long ago
                 tokens, cached = await ask(engine, f"tier-{i}", prompt)
                 assert cached == full, i
                 assert tokens == reference[i], i
+            engine.withdraw("held")
+            await ask(engine, "after-held", tuple(range(3, 19)))  # a step drains the notice
             load = engine.load()
             external = load.external_prefix_cache_hit_tokens
             # The connector's own counts (vLLM's stat loggers carry them): every token the
@@ -126,6 +131,7 @@ def test_evicted_prompts_come_back_from_the_lower_tiers_exactly(workdir: Path) -
             counts.update(load.connector_stats)  # a count that never moved is not reported
             assert (counts["cpu_loads"] + counts["disk_loads"]) * BLOCK == external, counts
             assert counts["cpu_stores"] > 0 and counts["moves"] + counts["disk_stores"] > 0
+            assert counts["outside_waits"] == 1, counts
             # The resync snapshot names every tier, exactly what the changes told the registry,
             # and clearing the engine's own cache leaves the connector's tiers in it.
             await asyncio.sleep(0.5)  # the last step's events

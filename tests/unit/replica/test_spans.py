@@ -26,6 +26,13 @@ KEY = PrefixKey(tuple(BlockHash(7 + i) for i in range(2)), 128)
 class _Engine:
     def __init__(self, fail_after: int | None = None) -> None:
         self.fail_after = fail_after
+        self.notices: list[tuple[str, str]] = []
+
+    def announce(self, request_id: str, blocks: object) -> None:
+        self.notices.append(("waiting", request_id))
+
+    def withdraw(self, request_id: str) -> None:
+        self.notices.append(("left", request_id))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         for i in range(3):

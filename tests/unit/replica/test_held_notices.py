@@ -1,0 +1,59 @@
+"""A request the replica holds back before the engine (a delay-hit hold, the fair-share gate)
+is announced to the engine while it waits, and withdrawn before it is submitted (issue 18,
+item 5: the KV connector's lookahead hears of it); one that goes straight in is not."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.replica.deployment import ReplicaServer
+from prefixmesh.replica.fair_gate import FairGate
+from prefixmesh.replica.fair_share import FairQueue, FairTicket
+from prefixmesh.wire import HoldInstruction
+from tests.unit.replica.test_spans import KEY, _drain, _Engine, _request, _server
+
+
+def _gated(engine: _Engine, budget: int) -> tuple[ReplicaServer, FairGate]:
+    server = _server(engine)
+    server.config = PrefixmeshConfig()
+    server.fair = gate = FairGate(FairQueue(prefill_budget_tokens=budget))
+    return server, gate
+
+
+async def test_a_held_request_is_announced_then_withdrawn_before_it_runs() -> None:
+    engine = _Engine()
+    server = _server(engine)
+    server.holds.inflight.started("other", KEY, 256)  # another request computes the prefix
+    await _drain(server, _request(HoldInstruction(num_blocks=2, max_wait_s=0.05)))
+    assert engine.notices == [("waiting", "cmpl-1"), ("left", "cmpl-1")]
+
+
+async def test_a_request_that_goes_straight_in_is_not_announced() -> None:
+    engine = _Engine()
+    server, _ = _gated(engine, 4096)
+    await _drain(server, _request())
+    assert engine.notices == []
+
+
+async def test_a_request_waiting_at_the_fair_gate_is_announced_once() -> None:
+    engine = _Engine()
+    server, gate = _gated(engine, 100)
+    assert await gate.enter(FairTicket("busy", "other", 0, 100)) == 0.0  # fills the budget
+    stream = asyncio.ensure_future(_drain(server, _request()))
+    await asyncio.sleep(0.05)
+    assert engine.notices == [("waiting", "cmpl-1")]  # waiting at the gate
+    gate.first_token("busy")
+    await stream
+    assert engine.notices == [("waiting", "cmpl-1"), ("left", "cmpl-1")]
+
+
+async def test_a_request_cancelled_while_held_is_withdrawn() -> None:
+    engine = _Engine()
+    server, gate = _gated(engine, 100)
+    await gate.enter(FairTicket("busy", "other", 0, 100))
+    stream = asyncio.ensure_future(_drain(server, _request()))
+    await asyncio.sleep(0.05)
+    stream.cancel()
+    await asyncio.gather(stream, return_exceptions=True)
+    assert engine.notices == [("waiting", "cmpl-1"), ("left", "cmpl-1")]
