@@ -791,7 +791,8 @@ class KVCacheConfig(_Section):
 
     policy: Literal[SinglePolicyName, "adaptive"] = "lru"
     """Eviction / admission / promotion policy of every tier. LRU by default: no other policy
-    beats it on the Mooncake trace or the synthetic workloads (docs/BENCHMARKS.md, issue 18),
+    beats it on the cluster simulator's CPU tiers (``nextuse`` does in cache-sim, where the
+    policy sees every use: 1.07x on the Mooncake trace; docs/BENCHMARKS.md, issue 18),
     and HotPrefix at its defaults admits a block only after 10 uses, so behind the router (a
     group of prompts reused a few times each) the tiers served 2.4% of prompt tokens with it and
     35% with LRU (issue 16's serving-bench)."""
