@@ -53,7 +53,7 @@ _COUNTS = 4
 _CELLS = _COUNTS * 2
 _PRUNE_TO = 0.75
 _NEVER_FACTOR = 2.0
-""""Not used again within the horizon" is priced as this many horizons away."""
+"""A use not followed by another within the horizon is priced as this many horizons away."""
 
 
 def turn_base(category: str) -> int:
@@ -80,15 +80,12 @@ class GapModel:
         self._never_s = _NEVER_FACTOR * config.horizon_s
         self._counts = [[0.0] * (self._bins + 1) for _ in range(_CELLS)]  # last: not again
         self._tables: list[list[float]] = []
-        self._pooled: list[float] | None = None
+        self.trained = False
+        """Tables built: until then the policy is LRU."""
         self._closed = 0
         mids = [0.5 * config.resolution_s]
         mids += [0.75 * config.resolution_s * 2.0**b for b in range(1, self._bins)]
         self._mids = mids
-
-    @property
-    def trained(self) -> bool:
-        return self._pooled is not None
 
     def bin_of(self, seconds: float) -> int:
         exponent = frexp(seconds * self._scale)[1] if seconds > 0 else 0
@@ -104,9 +101,7 @@ class GapModel:
 
     def remaining(self, cell: int, age_s: float) -> float:
         """Seconds until the next use of a block idle ``age_s`` in ``cell`` (trained only)."""
-        exponent = frexp(age_s * self._scale)[1] if age_s > 0 else 0
-        last = self._bins - 1
-        return self._tables[cell][0 if exponent < 0 else exponent if exponent < last else last]
+        return self._tables[cell][self.bin_of(age_s)]
 
     def _closed_one(self) -> None:
         self._closed += 1
@@ -135,7 +130,7 @@ class GapModel:
             for cell in reversed(range(base, base + _COUNTS - 1)):
                 tables[cell] = list(map(max, tables[cell], tables[cell + 1]))
         self._tables = [list(itertools.accumulate(table, max)) for table in tables]
-        self._pooled = pooled_table
+        self.trained = True
         for counts in self._counts:
             for b in range(len(counts)):
                 counts[b] *= 0.5

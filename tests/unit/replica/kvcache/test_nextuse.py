@@ -151,3 +151,14 @@ def test_make_policy_builds_it_from_the_config() -> None:
     assert isinstance(policy, NextUsePolicy)
     assert policy.config.horizon_s == 30
     assert KVCacheConfig().nextuse.horizon_s == 600
+
+
+def test_a_trace_with_repeats_gaps_and_time_going_back_is_no_error() -> None:
+    clock = ManualClock()
+    config = NextUseConfig(horizon_s=5.0, refit_samples=4, min_samples=1)
+    sim = TieredCacheSim((3, 2), NextUsePolicy(config, clock=clock), clock)
+    times = (0.0, 0.0, 100.0, 50.0, 50.0, 3600.0, 1.0)
+    for step, at in enumerate(times):
+        sim.access(req(at, 1, 2, 2, 3 + step % 2, category=("text-2", "", "x-y-z")[step % 3]))
+    result = sim.result()
+    assert result.requests == len(times) and result.blocks_dropped_orphans == 0
