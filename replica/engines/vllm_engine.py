@@ -149,16 +149,18 @@ class VllmEngine:
                 WAITING_SOCKET,
             )
 
-            # The connector runs in vLLM's engine-core process: a socket of our own tells its
-            # lookahead of the requests this replica holds before they reach the engine.
-            self._notices_dir = tempfile.TemporaryDirectory(prefix="prefixmesh-waits-")
-            socket_path = os.path.join(self._notices_dir.name, "s")
-            self._notices = NoticeSender(socket_path)
+            extra = dict(s.kv_connector_extra)
+            if extra["kvcache"].get("lookahead_requests", 0) > 0:
+                # The connector runs in vLLM's engine-core process: a socket of our own tells
+                # its lookahead of the requests this replica holds before they reach the engine.
+                self._notices_dir = tempfile.TemporaryDirectory(prefix="prefixmesh-waits-")
+                extra[WAITING_SOCKET] = os.path.join(self._notices_dir.name, "s")
+                self._notices = NoticeSender(extra[WAITING_SOCKET])
             transfer = KVTransferConfig(
                 kv_connector=CONNECTOR_NAME,
                 kv_connector_module_path=CONNECTOR_MODULE,
                 kv_role="kv_both",
-                kv_connector_extra_config={**s.kv_connector_extra, WAITING_SOCKET: socket_path},
+                kv_connector_extra_config=extra,
             )
         args = AsyncEngineArgs(
             model=s.model_path,

@@ -59,7 +59,7 @@ from prefixmesh.replica.kvcache.policy.base import chain_refs
 from prefixmesh.replica.kvcache.prefill_rate import PrefillRateMeter
 from prefixmesh.replica.kvcache.shared import SharedDirIndex
 from prefixmesh.replica.kvcache.store import TierStore
-from prefixmesh.replica.kvcache.waiting_channel import NoticeReceiver, tell
+from prefixmesh.replica.kvcache.waiting_channel import NoticeReceiver, OutsideWaits
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -297,7 +297,7 @@ class _SchedulerSide:
         self._queue = managed.queue
         self._outside: NoticeReceiver | None = None
         """Requests the replica holds back before the engine (``waiting_channel.py``)."""
-        self._outside_waits = 0
+        self._outside_waits = OutsideWaits(self._queue) if self._queue is not None else None
         socket_path = connector._waiting_socket
         if socket_path and self._queue is not None:
             try:
@@ -365,8 +365,8 @@ class _SchedulerSide:
 
     def hear_outside(self) -> None:
         """Tell the lookahead of the requests the replica started or stopped holding back."""
-        if self._outside is not None and self._queue is not None:
-            self._outside_waits += tell(self._queue, self._outside.drain())
+        if self._outside is not None and self._outside_waits is not None:
+            self._outside_waits.hear(self._outside.drain(), time.monotonic())
 
     def started(self, request_id: str) -> None:
         """It left the waiting queue (its blocks are allocated, or it finished waiting)."""
@@ -475,7 +475,7 @@ class _SchedulerSide:
             "loads_declined": counters.loads_declined,
             "async_loads": counters.async_loads,
             "shared_scan_errors": self._shared.scan_errors if self._shared is not None else 0,
-            "outside_waits": self._outside_waits,
+            "outside_waits": self._outside_waits.waits if self._outside_waits else 0,
         }
         moved = counts_since(now, self._reported)
         self._reported = now

@@ -34,6 +34,7 @@ MAX_BLOCKS = 4096
 """Blocks a notice carries at most (the head of a longer prompt): ~80 kB, under the kernel's
 default datagram limit."""
 _RECEIVE_BYTES = 1 << 18
+OUTSIDE_TTL_S = 900.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,18 +81,39 @@ def decode(datagram: bytes) -> Notice | None:
     return Waiting(waiting, tuple(BlockHash(b) for b in blocks[:MAX_BLOCKS]))
 
 
-def tell(queue: RequestQueue, notices: Sequence[Notice]) -> int:
-    """Pass ``notices`` to ``queue`` (ids prefixed ``OUTSIDE_PREFIX``); returns how many
-    requests started waiting."""
-    waits = 0
-    for notice in notices:
-        key = OUTSIDE_PREFIX + notice.request_id
-        if isinstance(notice, Waiting):
-            waits += 1
-            queue.queued(key, notice.blocks)
-        else:
-            queue.started(key)
-    return waits
+class OutsideWaits:
+    """Passes notices to a lookahead's ``queue`` (ids prefixed ``OUTSIDE_PREFIX``), and ends a
+    wait whose ``Left`` never came (a datagram lost) after ``ttl_s``: no request outlives the
+    request timeout (``ingress.request_timeout_s``, 600 s by default), and a stale entry would
+    hold one of the lookahead's bounded slots for good."""
+
+    def __init__(self, queue: RequestQueue, ttl_s: float = OUTSIDE_TTL_S) -> None:
+        self.queue = queue
+        self.ttl_s = ttl_s
+        self.waits = 0
+        """Requests heard to start waiting."""
+        self._since: dict[str, float] = {}
+
+    def hear(self, notices: Sequence[Notice], now: float) -> None:
+        for notice in notices:
+            key = OUTSIDE_PREFIX + notice.request_id
+            if isinstance(notice, Waiting):
+                self.waits += 1
+                self._since[key] = now
+                self.queue.queued(key, notice.blocks)
+            else:
+                self._since.pop(key, None)
+                self.queue.started(key)
+        while self._since:
+            key, since = next(iter(self._since.items()))  # oldest first (insertion order)
+            if now - since <= self.ttl_s:
+                break
+            del self._since[key]
+            self.queue.started(key)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._since)
 
 
 class NoticeSender:

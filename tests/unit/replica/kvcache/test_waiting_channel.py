@@ -17,10 +17,10 @@ from prefixmesh.replica.kvcache.waiting_channel import (
     Left,
     NoticeReceiver,
     NoticeSender,
+    OutsideWaits,
     Waiting,
     decode,
     encode,
-    tell,
 )
 
 
@@ -91,7 +91,9 @@ def test_the_lookahead_keeps_what_a_held_request_needs() -> None:
         sim = TieredCacheSim((2,), looking)
         sim.access(CacheRequest(blocks(1)))
         sim.access(CacheRequest(blocks(2)))
-        assert tell(looking, notices) == sum(isinstance(n, Waiting) for n in notices)
+        outside = OutsideWaits(looking)
+        outside.hear(notices, now=0.0)
+        assert outside.waits == sum(isinstance(n, Waiting) for n in notices)
         sim.access(CacheRequest(blocks(3)))
         return set(sim.blocks_in(0))
 
@@ -100,7 +102,7 @@ def test_the_lookahead_keeps_what_a_held_request_needs() -> None:
     assert replay([Waiting("held", blocks(1)), Left("held")]) == set(blocks(2, 3))
 
 
-def test_outside_ids_never_meet_the_engines() -> None:
+def test_outside_ids_never_meet_the_engines_and_a_lost_left_expires() -> None:
     seen: list[tuple[str, str]] = []
 
     class Queue:
@@ -110,6 +112,15 @@ def test_outside_ids_never_meet_the_engines() -> None:
         def started(self, request_id: str) -> None:
             seen.append(("started", request_id))
 
-    tell(Queue(), [Waiting("x", ()), Left("x")])
-    assert seen == [("queued", OUTSIDE_PREFIX + "x"), ("started", OUTSIDE_PREFIX + "x")]
+    outside = OutsideWaits(Queue(), ttl_s=10.0)
+    outside.hear([Waiting("x", ()), Left("x"), Waiting("y", ())], now=0.0)
+    assert seen == [
+        ("queued", OUTSIDE_PREFIX + "x"),
+        ("started", OUTSIDE_PREFIX + "x"),
+        ("queued", OUTSIDE_PREFIX + "y"),
+    ]
+    outside.hear([Waiting("z", ())], now=5.0)
+    assert outside.waiting == 2
+    outside.hear([], now=10.5)  # y's Left never came: its wait ends after the TTL, z's not yet
+    assert seen[-1] == ("started", OUTSIDE_PREFIX + "y") and outside.waiting == 1
     assert json.loads(encode(Left("x"))) == {"l": "x"}
