@@ -747,8 +747,8 @@ class WorkloadAwareConfig(_Section):
 
 class NextUseConfig(_Section):
     """The ``nextuse`` policy (``replica/kvcache/policy/nextuse.py``): each block's next use
-    predicted by a table learned online from the cache's own history (use count, depth in the
-    prompt, turn), and the block predicted furthest away goes first."""
+    predicted by a table learned online from the cache's own history (per use count and turn),
+    and the block predicted furthest away goes first."""
 
     horizon_s: float = Field(default=600.0, gt=0)
     """A use not followed by another within this long is counted as "not used again"."""
@@ -760,8 +760,8 @@ class NextUseConfig(_Section):
     """Closed samples between refits of the prediction tables; each refit halves the counts
     before it, so the model follows a change of workload."""
     min_samples: int = Field(default=64, ge=1)
-    """A cell with fewer samples predicts from all cells pooled; with fewer pooled, recency
-    alone decides (LRU)."""
+    """A cell with fewer samples borrows the table of the cell one use count below (all cells
+    pooled for a block used once); with fewer pooled, recency alone decides (LRU)."""
     max_tracked_blocks: int = Field(default=262_144, ge=1)
     """Blocks whose latest use is remembered, including blocks no tier holds (to measure their
     reuse)."""
