@@ -21,9 +21,9 @@ simulator, the KV connector) tells it what happens and asks it what to do:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Container, Hashable, Iterator, Sequence
+from collections.abc import Callable, Container, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from prefixmesh.cache_registry.types import BlockHash
 
@@ -178,6 +178,15 @@ def chain_refs(hashes: Sequence[BlockHash], start: int = 0) -> list[BlockRef]:
     """``hashes[start:]`` (one prompt's chained block hashes) as block references: each
     block's parent is the one before it, its position its index."""
     return [BlockRef(hashes[i], hashes[i - 1] if i else None, i) for i in range(start, len(hashes))]
+
+
+def oldest_idle(
+    latest: Mapping[BlockHash, tuple[Any, ...]], resident: Container[BlockHash], keep: int
+) -> list[BlockHash]:
+    """The blocks to forget so that ``latest`` (block -> its latest use, time first) keeps
+    ``keep`` records: the least recently used of those no tier holds (``resident``)."""
+    idle = sorted((record[0], block) for block, record in latest.items() if block not in resident)
+    return [block for _, block in idle[: max(0, len(latest) - keep)]]
 
 
 def deepest_first(blocks: Sequence[BlockRef]) -> list[BlockRef]:

@@ -45,6 +45,7 @@ from prefixmesh.replica.kvcache.policy.base import (
     Promotion,
     TieredQueues,
     deepest_first,
+    oldest_idle,
 )
 
 _COUNT_BUCKETS = (0, 1, 2, 2)
@@ -258,8 +259,5 @@ class NextUsePolicy:
     def _prune(self) -> None:
         """Forget the oldest latest-use records of blocks no tier holds."""
         keep = int(self.config.max_tracked_blocks * _PRUNE_TO)
-        idle = sorted(
-            (when, block) for block, (when, *_) in self._last.items() if block not in self._tier_of
-        )
-        for _, block in idle[: max(0, len(self._last) - keep)]:
+        for block in oldest_idle(self._last, self._tier_of, keep):
             del self._last[block]

@@ -11,6 +11,7 @@ from prefixmesh.loadtest.cache_sim_cli import to_cache_requests
 from prefixmesh.loadtest.workloads import make_workload
 from prefixmesh.replica.kvcache.cache_sim import CacheRequest, TieredCacheSim
 from prefixmesh.replica.kvcache.policy import LRUPolicy, ManualClock, make_policy
+from prefixmesh.replica.kvcache.policy.base import oldest_idle
 from prefixmesh.replica.kvcache.policy.nextuse import (
     GapModel,
     NextUsePolicy,
@@ -162,3 +163,16 @@ def test_a_trace_with_repeats_gaps_and_time_going_back_is_no_error() -> None:
         sim.access(req(at, 1, 2, 2, 3 + step % 2, category=("text-2", "", "x-y-z")[step % 3]))
     result = sim.result()
     assert result.requests == len(times) and result.blocks_dropped_orphans == 0
+
+
+def test_the_records_it_keeps_are_bounded_and_never_a_held_blocks() -> None:
+    clock = ManualClock()
+    policy = NextUsePolicy(NextUseConfig(max_tracked_blocks=8), clock=clock)
+    sim = TieredCacheSim((4,), policy, clock)
+    for t in range(40):
+        sim.access(req(float(t), 1000 + t))  # one-off blocks: most leave the cache at once
+    held = set(sim.blocks_in(0))
+    assert len(policy._last) <= 8  # pruned to 6 each time it passes 8
+    assert held <= set(policy._last)
+    latest = {BlockHash(1): (5.0,), BlockHash(2): (1.0,), BlockHash(3): (0.0,)}
+    assert oldest_idle(latest, {BlockHash(3)}, keep=2) == [BlockHash(2)]  # 3 is held
