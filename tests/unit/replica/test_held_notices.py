@@ -14,6 +14,15 @@ from prefixmesh.wire import HoldInstruction
 from tests.unit.replica.test_spans import KEY, _drain, _Engine, _request, _server
 
 
+async def _until_waiting(gate: FairGate) -> None:
+    """Until the request waits at the gate (no wall-clock guess)."""
+    for _ in range(1000):
+        if gate.queue.waiting:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the request never reached the gate")
+
+
 def _gated(engine: _Engine, budget: int) -> tuple[ReplicaServer, FairGate]:
     server = _server(engine)
     server.config = PrefixmeshConfig()
@@ -41,7 +50,7 @@ async def test_a_request_waiting_at_the_fair_gate_is_announced_once() -> None:
     server, gate = _gated(engine, 100)
     assert await gate.enter(FairTicket("busy", "other", 0, 100)) == 0.0  # fills the budget
     stream = asyncio.ensure_future(_drain(server, _request()))
-    await asyncio.sleep(0.05)
+    await _until_waiting(gate)
     assert engine.notices == [("waiting", "cmpl-1")]  # waiting at the gate
     gate.first_token("busy")
     await stream
@@ -53,7 +62,7 @@ async def test_a_request_cancelled_while_held_is_withdrawn() -> None:
     server, gate = _gated(engine, 100)
     await gate.enter(FairTicket("busy", "other", 0, 100))
     stream = asyncio.ensure_future(_drain(server, _request()))
-    await asyncio.sleep(0.05)
+    await _until_waiting(gate)
     stream.cancel()
     await asyncio.gather(stream, return_exceptions=True)
     assert engine.notices == [("waiting", "cmpl-1"), ("left", "cmpl-1")]
