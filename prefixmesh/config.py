@@ -410,6 +410,10 @@ class FairShareConfig(_Section):
     is never starved; smaller lets a request that jumps the queue wait behind less."""
     output_weight: float = Field(default=2.0, ge=0)
     """What a generated token costs a tenant's counter, a prompt token costing 1 (VTC's)."""
+    idle_credit_tokens: int = Field(default=4096, ge=0)
+    """Credit a tenant returning from idle keeps against the backlogged tenants' counters (its
+    counter is lifted to theirs less this): a burst of about this many prompt tokens goes ahead
+    of a saturating tenant instead of alternating with it; 0 is VTC's strict share."""
 
 
 class ReplicaConfig(_Section):

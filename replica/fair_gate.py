@@ -23,7 +23,13 @@ class FairGate:
     def from_config(cls, fair_share: FairShareConfig) -> FairGate | None:
         if not fair_share.enabled:
             return None
-        return cls(FairQueue(fair_share.prefill_budget_tokens, fair_share.output_weight))
+        return cls(
+            FairQueue(
+                fair_share.prefill_budget_tokens,
+                fair_share.output_weight,
+                fair_share.idle_credit_tokens,
+            )
+        )
 
     async def enter(self, ticket: FairTicket, on_wait: Callable[[], None] | None = None) -> float:
         """Wait until the request may start; returns the seconds it waited. ``on_wait`` is

@@ -8,7 +8,8 @@ stream (the first event with text):
 - ``alone``: the light tenant alone (the reference);
 - ``fifo``: both, admitted in arrival order (no fair share, no quotas);
 - ``fair``: both, ``replica.fair_share`` on (``fair:2048``: with that prefill budget);
-- ``quota``: both, the heavy tenant's ``tokens_per_minute`` a tenth of what it asks for.
+- ``quota``: both, the heavy tenant's ``tokens_per_minute`` a tenth of what it asks for;
+- ``quota+fair``: both of the last two (what the quota lets in still waits its fair turn).
 
 Printed and written (``--json``): per scenario and tenant the requests, answers by status, TTFT
 p50/p99/mean, and the light tenant's p99 over its ``alone`` p99. ``--checks N`` also times the
@@ -150,6 +151,7 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], list
         "fair": (("light", "heavy"), ["replica.fair_share.enabled=true"]),
         "quota": (("light", "heavy"), [f"quotas.tenants.heavy.tokens_per_minute={quota}"]),
     }
+    table["quota+fair"] = (("light", "heavy"), table["quota"][1] + table["fair"][1])
     rows = []
     for label in args.scenarios.split(","):
         name, _, budget = label.partition(":")  # fair:2048: fair share with that budget

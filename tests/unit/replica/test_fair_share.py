@@ -1,7 +1,7 @@
 """Fair share at a saturated replica (issue 17, item 4): requests start at once under the
 prefill budget; past it by priority, then the tenant with the least service (prompt tokens
-computed, output tokens weighted), then arrival; an idle tenant banks no credit; a request
-that leaves while waiting frees its place."""
+computed, output tokens weighted), then arrival; an idle tenant banks no more than its idle
+credit; a request that leaves while waiting frees its place."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_a_light_tenant_goes_ahead_of_a_heavy_tenant_s_backlog() -> None:
     assert queue.first_token("h1") == ["h2"]
 
 
-def test_an_idle_tenant_banks_no_credit() -> None:
+def test_without_idle_credit_an_idle_tenant_banks_none() -> None:
     queue = FairQueue(prefill_budget_tokens=100)
     queue.arrive(ticket("h0", "heavy", work=100))
     queue.arrive(ticket("h1", "heavy", work=100))
@@ -63,6 +63,34 @@ def test_an_idle_tenant_banks_no_credit() -> None:
     assert queue.counter("newcomer") == 100  # lifted to the least backlogged counter
     assert queue.first_token("h0") == ["late"]
     assert (queue.counter("newcomer"), queue.counter("heavy"), queue.waiting) == (200, 100, 2)
+
+
+def test_a_tenant_back_from_idle_keeps_a_bounded_credit_for_a_burst() -> None:
+    queue = FairQueue(prefill_budget_tokens=100, idle_credit_tokens=250)
+    for i in range(6):
+        queue.arrive(ticket(f"h{i}", "heavy"))
+    assert queue.first_token("h0") == ["h1"]
+    assert queue.first_token("h1") == ["h2"]
+    assert queue.counter("heavy") == 300
+    for i in range(4):
+        assert queue.arrive(ticket(f"l{i}", "light")) == []
+    assert queue.counter("light") == 300 - 250  # lifted to the backlog's, less the credit
+    # Its burst goes ahead while its credit lasts (three requests: 50, 150, 250 < 300), then
+    # it alternates with the backlog as without credit.
+    started = [queue.first_token(r)[0] for r in ["h2", "l0", "l1", "l2", "h3"]]
+    assert started == ["l0", "l1", "l2", "h3", "l3"]
+
+
+def test_a_tenant_that_never_goes_idle_banks_no_credit() -> None:
+    queue = FairQueue(prefill_budget_tokens=100, idle_credit_tokens=250)
+    queue.arrive(ticket("a0", "a"))
+    queue.arrive(ticket("b0", "b"))
+    queue.arrive(ticket("a1", "a"))
+    assert queue.counter("b") == 0  # no lift: no other tenant was backlogged when b came
+    assert queue.first_token("a0") == ["b0"]
+    queue.arrive(ticket("b1", "b"))  # b still has b0 here: not back from idle
+    assert queue.counter("b") == 100
+    assert queue.first_token("b0") == ["a1"]
 
 
 def test_priority_comes_before_the_counters_and_output_is_weighted() -> None:

@@ -45,6 +45,13 @@ def test_the_quota_is_a_tenth_of_the_heavy_tenant_s_demand() -> None:
     assert table["alone"] == (("light",), [])
     assert table["quota"][1] == ["quotas.tenants.heavy.tokens_per_minute=60000"]
     assert table["fair"][1] == ["replica.fair_share.enabled=true"]
+    args = parse_args(["--prompt-tokens", "996", "--scenarios", "quota+fair:2048"], "t")
+    ((label, _, extra),) = scenarios(args)
+    assert extra == [
+        "quotas.tenants.heavy.tokens_per_minute=60000",
+        "replica.fair_share.enabled=true",
+        "replica.fair_share.prefill_budget_tokens=2048",
+    ]
     args = parse_args(["--scenarios", "fair:2048"], "t")
     ((label, _, extra),) = scenarios(args)
     assert (label, extra[-1]) == ("fair:2048", "replica.fair_share.prefill_budget_tokens=2048")
