@@ -2,6 +2,13 @@
 (issue 8): Triton on CUDA, a pure-torch reference elsewhere and as the test oracle."""
 
 from prefixmesh.kernels.layout import BlockLayout, describe
-from prefixmesh.kernels.ops import PagedKVCache, gather_blocks, scatter_blocks
+from prefixmesh.kernels.ops import PagedKVCache, gather_blocks, scatter_blocks, scatter_layer
 
-__all__ = ["BlockLayout", "PagedKVCache", "describe", "gather_blocks", "scatter_blocks"]
+__all__ = [
+    "BlockLayout",
+    "PagedKVCache",
+    "describe",
+    "gather_blocks",
+    "scatter_blocks",
+    "scatter_layer",
+]

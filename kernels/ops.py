@@ -15,7 +15,11 @@ from typing import Literal
 import torch
 
 from prefixmesh.kernels.layout import BlockLayout, KVCaches, as_layer_list, describe
-from prefixmesh.kernels.reference import gather_reference, scatter_reference
+from prefixmesh.kernels.reference import (
+    gather_reference,
+    scatter_layer_reference,
+    scatter_reference,
+)
 
 Impl = Literal["auto", "torch", "triton"]
 BlockIds = Sequence[int] | torch.Tensor
@@ -154,3 +158,25 @@ def scatter_blocks(
         )
         return
     scatter_reference(layers, cache.layout, ids, pages)
+
+
+def scatter_layer(
+    kv_caches: KVCaches | PagedKVCache, layer: int, block_ids: BlockIds, pages: torch.Tensor
+) -> None:
+    """Write ``pages[i]`` (one layer's pages, ``[n, *page_shape]``) into block ``block_ids[i]``
+    of layer ``layer`` only: a load that goes one layer at a time, each layer ready for its
+    attention while the next is copied. Torch on every device (ids unique)."""
+    cache = PagedKVCache.of(kv_caches)
+    layout = cache.layout
+    if layer not in range(layout.num_layers):
+        raise ValueError(f"layer {layer} out of range [0, {layout.num_layers})")
+    ids = _ids_tensor(block_ids, cache, unique=True)
+    want = (ids.numel(), *layout.page_shape)
+    if tuple(pages.shape) != want or pages.dtype != layout.dtype:
+        raise ValueError(
+            f"pages are {tuple(pages.shape)} {pages.dtype}, expected {want} {layout.dtype}"
+        )
+    if pages.device != layout.device:
+        raise ValueError(f"pages are on {pages.device}, the KV cache is on {layout.device}")
+    if ids.numel():
+        scatter_layer_reference(cache.layers[layer], layout, ids, pages)

@@ -35,9 +35,14 @@ def scatter_reference(
     layers: list[torch.Tensor], layout: BlockLayout, ids: torch.Tensor, pages: torch.Tensor
 ) -> None:
     """``layers[l][ids[i]] = pages[i, l]`` (ids unique)."""
-    view = int_view_dtype(layout.dtype)
-    pages_int = pages.view(view)
-    back = _inverse((0, *layout.page_perm))
     for index, layer in enumerate(layers):
-        source = pages_int[:, index].permute(back).movedim(0, layout.block_dim)
-        layer.view(view).index_copy_(layout.block_dim, ids, source)
+        scatter_layer_reference(layer, layout, ids, pages[:, index])
+
+
+def scatter_layer_reference(
+    layer: torch.Tensor, layout: BlockLayout, ids: torch.Tensor, pages: torch.Tensor
+) -> None:
+    """``layer[ids[i]] = pages[i]``: one layer's pages ``[n, *page_shape]`` (ids unique)."""
+    view = int_view_dtype(layout.dtype)
+    source = pages.view(view).permute(_inverse((0, *layout.page_perm)))
+    layer.view(view).index_copy_(layout.block_dim, ids, source.movedim(0, layout.block_dim))

@@ -847,6 +847,13 @@ class KVCacheConfig(_Section):
     runs the other requests' steps; the request joins the batch once its blocks are in
     (vLLM's asynchronous KV loads). False: every load runs inside the step that needs it,
     and that step waits for it."""
+    layerwise_loads: bool = True
+    """On CPU engines, load a step's CPU-tier blocks one layer at a time on a copier thread,
+    each layer's attention waiting only for its own blocks (vLLM's ``wait_for_layer_load``),
+    and with ``async_loads`` let a request whose blocks are all in the CPU tier load inside its
+    first step when the copy takes no longer than computing that step's tokens of it (Strata's
+    balance), instead of waiting outside the batch. Disk and shared-folder loads never run in
+    the step. CUDA engines copy a step's loads on the engine's stream as before."""
     load_thread_nice: int = Field(default=10, ge=0, le=19)
     """Niceness of the loader thread (Linux, per thread): above the engine's, so a load takes
     the core only when the engine's compute threads leave it, and decode steps keep their pace."""

@@ -11,8 +11,10 @@ tier. Each variant runs its own engine on the same prompts; TTFT is measured at 
 ``--stall-check`` measures something else: whether requests already decoding keep their pace
 while another request's prefix loads from a tier (``stall.py``).
 
-Variants: ``none`` (the engine's cache alone), ``cpu`` (a CPU tier that holds every prefix),
-``disk`` (a disk tier alone, so every later hit is a disk read). ``--drop-caches`` asks the
+Variants: ``none`` (the engine's cache alone), ``cpu`` (a CPU tier that holds every prefix;
+on CPU engines its loads run inside the step, layer by layer), ``cpu-beside`` (the same with
+``kvcache.layerwise_loads`` off: each load runs beside the batch and the request joins it
+after), ``disk`` (a disk tier alone, so every later hit is a disk read). ``--drop-caches`` asks the
 kernel to drop its page cache before each disk-variant request (root only), so disk hits are
 real reads rather than page-cache copies.
 """
@@ -34,6 +36,7 @@ from typing import Any
 from prefixmesh.config import load_config
 
 QUESTION_TOKENS = 32
+VARIANTS = ("none", "cpu", "cpu-beside", "disk")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +98,8 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.prefix_tokens % args.block_size or args.prefix_tokens <= 0:
         p.error("--prefix-tokens must be a positive multiple of --block-size")
-    if not set(args.variants.split(",")) <= {"none", "cpu", "disk"}:
-        p.error("--variants: a comma-separated subset of none,cpu,disk")
+    if not set(args.variants.split(",")) <= set(VARIANTS):
+        p.error(f"--variants: a comma-separated subset of {','.join(VARIANTS)}")
     return args
 
 
@@ -156,7 +159,7 @@ async def run_variant(
     prompt_blocks = (args.prefix_tokens + QUESTION_TOKENS) // block + 1
     engine_blocks = args.engine_prompts * prompt_blocks
     all_prefixes_gib = args.prefixes * prompt_blocks * page / 2**30 * 1.1
-    cpu_gib = all_prefixes_gib if variant == "cpu" else 0.0
+    cpu_gib = all_prefixes_gib if variant.startswith("cpu") else 0.0
     disk_gib = all_prefixes_gib if variant == "disk" else 0.0
     engine = await start_engine(
         args,
@@ -167,6 +170,7 @@ async def run_variant(
             "cpu_tier_gib": cpu_gib,
             "disk_tier_gib": disk_gib,
             "disk_dir": str(disk_dir / variant),
+            "layerwise_loads": variant != "cpu-beside",
         },
     )
     rng = random.Random(0)  # the same prompts for every variant

@@ -8,7 +8,11 @@ moves and drops after the forward pass (``wait_for_save``), and loads. With
 ``kvcache.async_loads`` (the default) a load is vLLM's asynchronous kind: the request waits
 outside the batch while the worker's ``BackgroundLoader`` copies its blocks beside the other
 requests' steps, and joins the batch once ``get_finished`` reports it; otherwise loads run
-before the forward pass that needs them (``start_load_kv``), which waits for them.
+before the forward pass that needs them (``start_load_kv``), which waits for them. On CPU
+engines (``kvcache.layerwise_loads``) a step's CPU-tier loads are copied one layer at a time
+beside the forward pass (``layer_loads.py``; each attention layer waits in
+``wait_for_layer_load`` for its own blocks only), and a request whose blocks are all in the CPU
+tier loads inside its step that way when its own compute hides the copy (Strata's balance).
 
 Blocks are named by our own chained block hashes (the router's), so the tier-tagged events the
 scheduler side emits through vLLM's KV event stream need no translation. The same code runs on
@@ -42,7 +46,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
 from prefixmesh.config import KVCacheConfig, PrefixmeshConfig
-from prefixmesh.kernels.ops import PagedKVCache
 from prefixmesh.replica.kv_events import OWN_EVENTS
 from prefixmesh.replica.kvcache.connector_stats import (
     USABLE,
@@ -50,16 +53,15 @@ from prefixmesh.replica.kvcache.connector_stats import (
     PrefixmeshPromMetrics,
     counts_since,
 )
-from prefixmesh.replica.kvcache.disk import DiskTier, scan
+from prefixmesh.replica.kvcache.disk import scan
 from prefixmesh.replica.kvcache.folders import cache_folder, measure_read_rate, rank_folder
-from prefixmesh.replica.kvcache.loader import BackgroundLoader
 from prefixmesh.replica.kvcache.planner import LoadCosts, StepPlan, TierPlanner
 from prefixmesh.replica.kvcache.policy import ManualClock, make_tier_policy
 from prefixmesh.replica.kvcache.policy.base import chain_refs
 from prefixmesh.replica.kvcache.prefill_rate import PrefillRateMeter
 from prefixmesh.replica.kvcache.shared import SharedDirIndex
-from prefixmesh.replica.kvcache.store import TierStore
 from prefixmesh.replica.kvcache.waiting_channel import NoticeReceiver, OutsideWaits
+from prefixmesh.replica.kvcache.worker_side import WorkerFolders, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -125,14 +127,22 @@ class PrefixmeshConnector(KVConnectorBase_V1):
         self._shared_root = cache_folder(self._settings.shared_dir, self._hasher)
         fingerprint = self._disk_root.name
         self._layout_tag = f"{fingerprint}/tp{parallel.tensor_parallel_size}"
+        self._device_type = vllm_config.device_config.device_type
+        self._step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._scheduler: _SchedulerSide | None = None
-        self._worker: _WorkerSide | None = None
+        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _SchedulerSide(
                 self, kv_cache_config, float(extra["prefill_tokens_per_s"])
             )
         else:
-            self._worker = _WorkerSide(self, parallel.rank)
+            folders = WorkerFolders(
+                self._rank_dir(parallel.rank),
+                self._shared_rank_dir(parallel.rank),
+                self._layout_tag,
+            )
+            layerwise = layerwise_loads(self._settings, self._device_type)
+            self._worker = WorkerSide(self._settings, folders, layerwise)
 
     def _rank_dir(self, rank: int) -> Path:
         return rank_folder(self._disk_root, rank)
@@ -153,7 +163,10 @@ class PrefixmeshConnector(KVConnectorBase_V1):
         self._worker.load(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every load finished in start_load_kv
+        """The layer's CPU-tier blocks are in (loaded layer by layer; other loads finished in
+        ``start_load_kv`` or run beside the batch)."""
+        assert self._worker is not None
+        self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -162,6 +175,7 @@ class PrefixmeshConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
+        self._worker.finish_layers()  # before the step's stores change the slab
         meta = self._get_connector_metadata()
         assert isinstance(meta, PrefixmeshConnectorMetadata)
         self._worker.run(meta.plan)
@@ -315,6 +329,8 @@ class _SchedulerSide:
             found = scan(connector._rank_dir(0), connector._layout_tag, page_bytes)
             self.planner.restore(Tier.DISK, [entry.block for entry in found])
         self._async_loads = settings.async_loads
+        self._layerwise = layerwise_loads(settings, connector._device_type)
+        self._step_tokens = connector._step_tokens
         self._requests: dict[str, _RequestState] = {}
         self._loaded: dict[int, tuple[BlockHash, Tier | None]] = {}
         """Engine block -> what this step's synchronous loads put there, and from which of
@@ -386,9 +402,14 @@ class _SchedulerSide:
         state.match_start = start
         if self._shared is not None:
             self.planner.shared_view(self._shared.blocks)
-        state.match_blocks = self.planner.match(state.blocks, start, limit)
-        state.match_async = self._async_loads and state.match_blocks > 0
-        return state.match_blocks * size, state.match_async
+        count = state.match_blocks = self.planner.match(state.blocks, start, limit)
+        state.match_async = self._async_loads and count > 0
+        if state.match_async and self._layerwise:
+            # Its first step computes up to a step's budget of its own tokens past the load.
+            compute = min(request.num_tokens - (start + count) * size, self._step_tokens)
+            loaded = state.blocks[start : start + count]
+            state.match_async = not self.planner.hides_under_compute(loaded, compute)
+        return count * size, state.match_async
 
     def plan_loads(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
         state = self._requests[request.request_id]
@@ -396,7 +417,7 @@ class _SchedulerSide:
         blocks = state.blocks[start : start + count]
         engine_blocks = block_ids[start : start + count]
         request_id = request.request_id if state.match_async else None
-        jobs = self.planner.plan_loads(blocks, engine_blocks, request_id)
+        jobs = self.planner.plan_loads(blocks, engine_blocks, request_id, layerwise=self._layerwise)
         loaded = self._loaded if request_id is None else self._loading.setdefault(request_id, {})
         for job in jobs:
             loaded[job.engine_block] = (job.block, None if job.shared else job.tier)
@@ -474,6 +495,7 @@ class _SchedulerSide:
             "rejected": counters.rejected,
             "loads_declined": counters.loads_declined,
             "async_loads": counters.async_loads,
+            "layer_loads": counters.layer_loads,
             "shared_scan_errors": self._shared.scan_errors if self._shared is not None else 0,
             "outside_waits": self._outside_waits.waits if self._outside_waits else 0,
         }
@@ -506,82 +528,9 @@ class _SchedulerSide:
         return out
 
 
-class _WorkerSide:
-    def __init__(self, connector: PrefixmeshConnector, rank: int) -> None:
-        self._c = connector
-        self._rank = rank
-        self._store: TierStore | None = None
-        self._loader: BackgroundLoader | None = None
-        self._failed: set[int] = set()
-        self._states: dict[str, int] = {}
-        self._write_errors = 0
-
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        cache = PagedKVCache.of(kv_caches)
-        settings = self._c._settings
-        page_bytes = cache.layout.page_bytes * cache.layout.num_layers
-        tag = self._c._layout_tag
-        disk = shared = None
-        if settings.disk_tier_gib > 0:
-            disk = DiskTier(self._c._rank_dir(self._rank), tag, page_bytes)
-        if settings.shared_tier_gib > 0:
-            shared_dir = self._c._shared_rank_dir(self._rank)
-            try:
-                shared = DiskTier(shared_dir, tag, page_bytes, write_once=True, touch_on_read=True)
-            except OSError as exc:  # its loads then fail and are recomputed
-                logger.warning("no shared KV tier: %s cannot be used (%s)", shared_dir, exc)
-                self._states[USABLE] = 0
-        cpu_blocks = int(settings.cpu_tier_gib * 2**30) // page_bytes
-        self._store = TierStore(cache, cpu_blocks, disk, shared)
-        if settings.async_loads:
-            self._loader = BackgroundLoader(
-                self._store.load, nice=settings.load_thread_nice, device=cache.layout.device
-            )
-
-    def load(self, plan: StepPlan) -> None:
-        if self._store is None:
-            return
-        if plan.loads:
-            failed = self._store.load(plan.loads)
-            self._failed.update(job.engine_block for job in failed)
-        for load in plan.async_loads:
-            if self._loader is None:  # the scheduler's settings are ours: never happens
-                self._failed.update(job.engine_block for job in load.jobs)
-                continue
-            self._loader.submit(load)
-
-    def take_loaded(self) -> set[str]:
-        if self._loader is None:
-            return set()
-        done, failed = self._loader.take_done()
-        self._failed.update(job.engine_block for job in failed)
-        return done
-
-    def run(self, plan: StepPlan) -> None:
-        if plan.jobs and self._store is not None:
-            self._store.run(plan.jobs)
-
-    def take_failed(self) -> set[int]:
-        failed, self._failed = self._failed, set()
-        return failed
-
-    def stats(self) -> dict[str, int]:
-        """Tier files that failed to be written since the last call, and any new state."""
-        store = self._store
-        errors = (
-            0
-            if store is None
-            else sum(tier.write_errors for tier in (store.disk, store.shared) if tier is not None)
-        )
-        moved, self._write_errors = errors - self._write_errors, errors
-        states, self._states = self._states, {}
-        return {"write_errors": moved, **states} if moved else states
-
-    def close(self) -> None:
-        if self._loader is not None:
-            self._loader.close()
-        if self._store is not None:
-            self._store.close()
+def layerwise_loads(settings: KVCacheConfig, device_type: str) -> bool:
+    """Whether this engine loads CPU-tier blocks layer by layer (a copier thread: CPU only)."""
+    return settings.layerwise_loads and device_type == "cpu"
 
 
 def _page_bytes(kv_cache_config: Any) -> int:

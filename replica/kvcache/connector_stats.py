@@ -37,6 +37,7 @@ COUNTERS: dict[str, str] = {
     "rejected": "Computed blocks the policy admitted to no tier",
     "loads_declined": "Blocks held below but recomputed (loading was not faster)",
     "async_loads": "Requests whose blocks were loaded beside the engine's steps",
+    "layer_loads": "Requests whose CPU-tier blocks were loaded inside their step, layer by layer",
     "write_errors": "Tier files that could not be written (a full or unwritable disk)",
     "shared_scan_errors": "Listings of the shared folder that failed",
     "outside_waits": "Requests the replica held before the engine, told to the lookahead",

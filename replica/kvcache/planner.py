@@ -150,6 +150,8 @@ class _Counters:
     (their read, or the wait behind the loads queued before them)."""
     async_loads: int = 0
     """Requests whose blocks were loaded beside the engine's steps."""
+    layer_loads: int = 0
+    """Requests whose CPU-tier blocks were loaded inside their step, layer by layer."""
     shared_loads: int = 0
     """Blocks loaded from the shared folder (another replica computed them)."""
     shares: int = 0
@@ -266,6 +268,19 @@ class TierPlanner:
             self.counters.loads_declined += run - best
         return best
 
+    def hides_under_compute(self, blocks: Sequence[BlockHash], compute_tokens: int) -> bool:
+        """Strata's balance for one request: load ``blocks`` inside its step, layer by layer,
+        when every one is in this replica's CPU tier (a memory copy: no disk read on the step
+        path) and copying them takes no longer than that step's compute of the request's own
+        ``compute_tokens``, which then hides the copy; otherwise the load goes beside the batch,
+        where a longer copy stalls no one."""
+        if not blocks or compute_tokens <= 0:
+            return False
+        if any(self._source(block) != (Tier.CPU, False) for block in blocks):
+            return False
+        copy_s = len(blocks) * self.costs.load_s(Tier.CPU)
+        return copy_s <= compute_tokens / self.costs.prefill_tokens_per_s
+
     def _source(self, block: BlockHash) -> tuple[Tier, bool] | None:
         """Where a load of ``block`` reads from: this replica's tier, else the shared folder."""
         tier = self._tier.get(block)
@@ -278,10 +293,12 @@ class TierPlanner:
         blocks: Sequence[BlockHash],
         engine_blocks: Sequence[int],
         request_id: str | None = None,
+        *,
+        layerwise: bool = False,
     ) -> tuple[LoadJob, ...]:
-        """Load ``blocks`` into ``engine_blocks`` (after ``match`` said so): in this step, or,
-        given the request's id, beside the coming steps until ``load_finished``. Returns the
-        jobs."""
+        """Load ``blocks`` into ``engine_blocks`` (after ``match`` said so): in this step
+        (``layerwise``: its CPU-tier blocks one layer at a time, counted), or, given the
+        request's id, beside the coming steps until ``load_finished``. Returns the jobs."""
         jobs = []
         for block, engine_block in zip(blocks, engine_blocks, strict=True):
             source = self._source(block)
@@ -294,6 +311,8 @@ class TierPlanner:
             else:
                 self.counters.loads[tier] += 1
         if request_id is None:
+            if layerwise and any(job.tier is Tier.CPU and not job.shared for job in jobs):
+                self.counters.layer_loads += 1
             self._loads += jobs
             self._pinned.update(blocks)
             return tuple(jobs)

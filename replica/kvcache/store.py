@@ -21,15 +21,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from prefixmesh.cache_registry.types import BlockHash, Tier
-from prefixmesh.kernels.ops import PagedKVCache, gather_blocks, scatter_blocks
+from prefixmesh.kernels.ops import PagedKVCache, gather_blocks, scatter_blocks, scatter_layer
 from prefixmesh.replica.kvcache.disk import DiskTier
 from prefixmesh.replica.kvcache.planner import DropJob, Job, LoadJob, MoveJob, ShareJob, StoreJob
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerBatch:
+    """One step's CPU-tier loads, ready to copy layer by layer."""
+
+    slots: torch.Tensor
+    """Slab slots (int64, host)."""
+    engine_blocks: torch.Tensor
+    """The engine blocks they go to (int64, on the cache's device)."""
 
 
 class TierStore:
@@ -86,6 +97,22 @@ class TierStore:
         failed += self._load_files(self.disk, disk)
         failed += self._load_files(self.shared, shared)
         return failed
+
+    def layer_batch(self, loads: Sequence[LoadJob]) -> tuple[LayerBatch | None, list[LoadJob]]:
+        """What ``copy_layer`` needs to load ``loads`` (CPU-tier jobs) one layer at a time, and
+        the jobs whose block the slab no longer holds (failed, for vLLM to recompute)."""
+        present = [job for job in loads if job.block in self._slot]
+        failed = [job for job in loads if job.block not in self._slot]
+        if not present:
+            return None, failed
+        slots = torch.tensor([self._slot[job.block] for job in present], dtype=torch.int64)
+        engine_blocks = torch.tensor([job.engine_block for job in present], dtype=torch.int64)
+        return LayerBatch(slots, engine_blocks.to(self.cache.layout.device)), failed
+
+    def copy_layer(self, batch: LayerBatch, layer: int) -> None:
+        """Layer ``layer`` of ``batch``'s blocks, from the slab into the engine's cache."""
+        pages = self._slab[:, layer].index_select(0, batch.slots)
+        scatter_layer(self.cache, layer, batch.engine_blocks, pages.to(self.cache.layout.device))
 
     def _load_files(self, tier: DiskTier | None, jobs: list[LoadJob]) -> list[LoadJob]:
         """Read ``jobs``' blocks from ``tier``'s files into their engine blocks; the failed."""

@@ -178,6 +178,54 @@ def test_evicted_prompts_come_back_from_the_lower_tiers_exactly(workdir: Path) -
     assert tokens == reference[0]
 
 
+def test_cpu_tier_hits_load_layer_by_layer_inside_their_step_exactly() -> None:
+    """A request whose evicted prefix sits whole in the CPU tier, with more to compute than
+    the copy takes, loads inside its first step layer by layer (Strata's balance) instead of
+    waiting outside the batch, with exactly the output of an engine-cache hit."""
+    cfg = load_config(
+        None,
+        {
+            "kvcache": {
+                "policy": "lru",
+                "cpu_tier_gib": (PROMPTS + 1) * PROMPT_BLOCKS * PAGE_BYTES / 2**30,
+                # A stated copy rate: 16 blocks in 0.08 ms, under any compute of 120 tokens.
+                "cpu_read_gb_per_s": 50.0,
+            }
+        },
+    )
+    model_path(cfg)
+    rng = random.Random(1)
+    prompts = [
+        tuple(rng.randrange(3, 8000) for _ in range(PROMPT_BLOCKS * BLOCK + 120))
+        for _ in range(PROMPTS)
+    ]
+    full = PROMPT_BLOCKS * BLOCK
+
+    async def run() -> dict[str, int]:
+        engine = await start_engine(cfg, [])
+        try:
+            reference = {}
+            for i, prompt in enumerate(prompts):
+                await ask(engine, f"cold-{i}", prompt)
+                reference[i], cached = await ask(engine, f"hit-{i}", prompt)
+                assert cached == full
+            for i in (0, 1):  # the three prompts after them pushed them out of the engine
+                tokens, cached = await ask(engine, f"tier-{i}", prompts[i])
+                assert cached == full, i
+                assert tokens == reference[i], i
+            await ask(engine, "after", tuple(range(3, 19)))
+            counts = dict.fromkeys(("cpu_loads", "layer_loads", "async_loads"), 0)
+            counts.update(engine.load().connector_stats)
+            return counts
+        finally:
+            await engine.shutdown()
+
+    counts = asyncio.run(run())
+    assert counts["layer_loads"] == 2, counts
+    assert counts["async_loads"] == 0, counts
+    assert counts["cpu_loads"] == 2 * PROMPT_BLOCKS, counts
+
+
 def test_a_replica_serves_a_prefix_another_computed_from_the_shared_tier_exactly(
     workdir: Path,
 ) -> None:

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from prefixmesh.kernels import PagedKVCache, describe, gather_blocks, scatter_blocks
+from prefixmesh.kernels import PagedKVCache, describe, gather_blocks, scatter_blocks, scatter_layer
 
 from .helpers import FP8, VLLM_LAYOUTS, bits, expected_pages, random_bits, vllm_cache
 
@@ -140,3 +140,27 @@ def test_out_buffer_is_filled_in_place() -> None:
     out = torch.empty((2, 2, 2, 16, 64), dtype=torch.bfloat16)
     assert gather_blocks(layers, torch.tensor([3, 9], dtype=torch.int32), out=out) is out
     assert torch.equal(bits(out), expected_pages(_bit_layers(layers), "BLHNC", [3, 9]))
+
+
+@pytest.mark.parametrize("layout", VLLM_LAYOUTS)
+def test_scattering_layer_by_layer_equals_one_scatter(layout: str) -> None:
+    _, layers = vllm_cache(layout, layers=3, blocks=12, seed=4)
+    ids = [9, 2, 4]
+    pages = random_bits(PagedKVCache.of(layers).layout.staging_shape(3), torch.bfloat16, seed=5)
+    _, by_layer = vllm_cache(layout, layers=3, blocks=12, seed=4)
+    scatter_blocks(layers, ids, pages, impl="torch")
+    for layer in (2, 0, 1):  # any order: each call touches its own layer only
+        scatter_layer(by_layer, layer, ids, pages[:, layer].contiguous())
+    for want, got in zip(layers, by_layer, strict=True):
+        assert torch.equal(bits(want), bits(got))
+
+
+def test_scatter_layer_rejects_a_wrong_layer_or_shape() -> None:
+    _, layers = vllm_cache("LBNHC", layers=2, blocks=4)
+    page_shape = PagedKVCache.of(layers).layout.page_shape
+    with pytest.raises(ValueError, match="layer 2 out of range"):
+        scatter_layer(layers, 2, [0], torch.zeros((1, *page_shape), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="expected"):
+        scatter_layer(layers, 0, [0, 1], torch.zeros((1, *page_shape), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="unique"):
+        scatter_layer(layers, 0, [1, 1], torch.zeros((2, *page_shape), dtype=torch.bfloat16))

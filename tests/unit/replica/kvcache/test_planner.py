@@ -148,6 +148,27 @@ def test_loads_are_planned_and_pinned_against_eviction_in_the_same_step() -> Non
     assert p.take_plan().jobs[-1] == StoreJob(B(9), 0)
 
 
+def test_a_cpu_tier_load_runs_in_the_step_only_when_its_compute_hides_the_copy() -> None:
+    p = planner(cpu=2, disk=1)
+    store_all(p, chain(1, 2))
+    p.take_plan()
+    store_all(p, chain(7))  # 2 goes down to disk
+    p.take_plan()
+    # Copying one 1 MB block from memory at 10 GB/s takes 0.1 ms: one token (0.1 ms at 10k
+    # tokens/s) hides it, none does not.
+    assert p.hides_under_compute([B(1)], compute_tokens=1)
+    assert not p.hides_under_compute([B(1)], compute_tokens=0)
+    assert not p.hides_under_compute([B(1), B(7)], compute_tokens=1)  # 0.2 ms
+    assert p.hides_under_compute([B(1), B(7)], compute_tokens=2)
+    assert not p.hides_under_compute([B(1), B(2)], compute_tokens=10_000)  # a disk read
+    assert not p.hides_under_compute([], compute_tokens=10)
+    p.plan_loads([B(1)], [40], layerwise=True)
+    p.plan_loads([B(2)], [41], layerwise=True)  # from disk: not a layer load
+    p.plan_loads([B(7)], [42])
+    assert p.counters.layer_loads == 1
+    assert len(p.take_plan().loads) == 3
+
+
 def test_an_async_load_keeps_its_blocks_pinned_until_the_worker_reports_it() -> None:
     p = planner(cpu=2, disk=0)
     store_all(p, chain(1, 2))

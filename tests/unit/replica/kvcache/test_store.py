@@ -67,6 +67,29 @@ def test_a_stored_block_loads_back_bit_exact_into_another_engine_block(
     s.close()
 
 
+def test_a_load_copied_layer_by_layer_is_bit_exact_and_names_missing_blocks(
+    engine: list[torch.Tensor], tmp_path: Path
+) -> None:
+    s = store(engine, tmp_path, cpu_blocks=4)
+    originals = {i: block(engine, i) for i in (1, 2)}
+    s.run([StoreJob(B(10), 1), StoreJob(B(20), 2)])
+    for layer in engine:
+        layer[1:3].zero_()
+    jobs = [LoadJob(B(20), Tier.CPU, 7), LoadJob(B(99), Tier.CPU, 9), LoadJob(B(10), Tier.CPU, 8)]
+    batch, failed = s.layer_batch(jobs)
+    assert failed == [jobs[1]] and batch is not None
+    untouched = block(engine, 7)
+    s.copy_layer(batch, 0)
+    assert torch.equal(engine[0][7], originals[2][0])
+    assert torch.equal(engine[1][7], untouched[1])  # the next layers wait for their own copy
+    for layer in range(1, LAYERS):
+        s.copy_layer(batch, layer)
+    assert_same(block(engine, 7), originals[2])
+    assert_same(block(engine, 8), originals[1])
+    assert s.layer_batch([jobs[1]]) == (None, [jobs[1]])
+    s.close()
+
+
 def test_blocks_moved_to_disk_or_stored_there_load_back_bit_exact(
     engine: list[torch.Tensor], tmp_path: Path
 ) -> None:
