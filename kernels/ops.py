@@ -1,5 +1,5 @@
 """``gather_blocks`` / ``scatter_blocks``: validation, then the Triton kernel on CUDA or the
-torch reference elsewhere.
+torch reference elsewhere; ``scatter_layer`` writes one layer's pages (torch everywhere).
 
 A connector registers the engine's layer tensors once (``PagedKVCache.of``), which checks
 the layout and keeps the layer-offset table on the device; the functions also take the raw

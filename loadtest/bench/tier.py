@@ -52,6 +52,8 @@ class VariantResult:
     cached_tokens_mean: float
     """Prompt tokens served from a cache in rounds 1.., per request."""
     external_hit_tokens: int
+    connector: dict[str, int]
+    """The KV connector's counts over the run (``EngineLoad.connector_stats``)."""
 
     @property
     def cold_mean_ms(self) -> float:
@@ -203,7 +205,9 @@ async def run_variant(
                 (cold if rnd == 0 else warm).append(first * 1e3)
                 if rnd:
                     cached_total += cached
-        external = engine.load().external_prefix_cache_hit_tokens
+        load = engine.load()
+        external = load.external_prefix_cache_hit_tokens
+        counts = dict(load.connector_stats)
     finally:
         await engine.shutdown()
     return VariantResult(
@@ -215,6 +219,7 @@ async def run_variant(
         warm,
         cached_total / max(1, len(warm)),
         external,
+        counts,
     )
 
 
@@ -261,7 +266,8 @@ def main(argv: list[str], prog: str = "tier-bench") -> int:
             results.append(result)
             print(
                 f"{variant}: cold {result.cold_mean_ms:.1f} ms, later {result.warm_mean_ms:.1f}"
-                f" ms, {result.cached_tokens_mean:.0f} cached tokens/request",
+                f" ms, {result.cached_tokens_mean:.0f} cached tokens/request, connector"
+                f" {result.connector}",
                 flush=True,
             )
             if args.json:  # after every variant: a long run cut short keeps what it measured

@@ -8,7 +8,8 @@ block, written in the background); the shared tier is a ``DiskTier`` on the fold
 replica shares (written once, ``ShareJob``; loads marked ``shared``). Every multi-block
 transfer goes through ``gather_blocks`` / ``scatter_blocks``: one gather of all the step's
 stored blocks into a device staging buffer, then one copy per run of consecutive slab slots;
-for loads the reverse.
+for loads the reverse. A load that goes layer by layer (``layer_batch`` / ``copy_layer``, on a
+copier thread) writes one layer of its blocks at a time with ``scatter_layer``.
 A slot holds all layers of a block contiguously (megabytes for an 8B model), so even a
 fragmented slab moves at link speed, with no host-side copy in between.
 

@@ -94,6 +94,16 @@ async def ask(engine, request_id: str, prompt: tuple[int, ...]) -> tuple[list[in
     return tokens, cached
 
 
+async def computed_then_hit(engine, prompts: list[tuple[int, ...]]) -> dict[int, list[int]]:  # type: ignore[no-untyped-def]
+    """Each prompt computed, then asked again: the engine-cache hit's output, the reference."""
+    reference = {}
+    for i, prompt in enumerate(prompts):
+        await ask(engine, f"cold-{i}", prompt)
+        reference[i], cached = await ask(engine, f"hit-{i}", prompt)
+        assert cached == PROMPT_BLOCKS * BLOCK
+    return reference
+
+
 def test_evicted_prompts_come_back_from_the_lower_tiers_exactly(workdir: Path) -> None:
     cfg = config(workdir)
     model_path(cfg)  # made (once) outside the event loop
@@ -109,11 +119,7 @@ def test_evicted_prompts_come_back_from_the_lower_tiers_exactly(workdir: Path) -
         changes: list[BlockChange] = []
         engine = await start_engine(cfg, changes)
         try:
-            reference = {}
-            for i, prompt in enumerate(prompts):
-                await ask(engine, f"cold-{i}", prompt)
-                reference[i], cached = await ask(engine, f"hit-{i}", prompt)
-                assert cached == full
+            reference = await computed_then_hit(engine, prompts)
             # A request the replica holds back reaches the connector's lookahead, in vLLM's
             # engine-core process, through the notices' socket (drained at each step).
             engine.announce("held", make_hasher(cfg).hash_tokens(prompts[4]).block_hashes)
@@ -204,11 +210,7 @@ def test_cpu_tier_hits_load_layer_by_layer_inside_their_step_exactly() -> None:
     async def run() -> dict[str, int]:
         engine = await start_engine(cfg, [])
         try:
-            reference = {}
-            for i, prompt in enumerate(prompts):
-                await ask(engine, f"cold-{i}", prompt)
-                reference[i], cached = await ask(engine, f"hit-{i}", prompt)
-                assert cached == full
+            reference = await computed_then_hit(engine, prompts)
             for i in (0, 1):  # the three prompts after them pushed them out of the engine
                 tokens, cached = await ask(engine, f"tier-{i}", prompts[i])
                 assert cached == full, i
