@@ -49,6 +49,11 @@ class LoadJob:
     shared: bool = False
     """From the cluster's shared folder (``tier`` is then DISK), not this replica's own."""
 
+    @property
+    def from_memory(self) -> bool:
+        """From this replica's own CPU tier: a memory copy, the one kind loaded layer by layer."""
+        return self.tier is Tier.CPU and not self.shared
+
 
 @dataclass(frozen=True, slots=True)
 class StoreJob:
@@ -311,7 +316,7 @@ class TierPlanner:
             else:
                 self.counters.loads[tier] += 1
         if request_id is None:
-            if layerwise and any(job.tier is Tier.CPU and not job.shared for job in jobs):
+            if layerwise and any(job.from_memory for job in jobs):
                 self.counters.layer_loads += 1
             self._loads += jobs
             self._pinned.update(blocks)

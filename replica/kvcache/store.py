@@ -81,7 +81,7 @@ class TierStore:
         recompute."""
         failed: list[LoadJob] = []
         device = self.cache.layout.device
-        cpu = [job for job in loads if job.tier is Tier.CPU and not job.shared]
+        cpu = [job for job in loads if job.from_memory]
         disk = [job for job in loads if job.tier is Tier.DISK and not job.shared]
         shared = [job for job in loads if job.shared]
         if cpu:

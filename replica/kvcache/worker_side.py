@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from prefixmesh.cache_registry.types import Tier
 from prefixmesh.config import KVCacheConfig
 from prefixmesh.kernels.ops import PagedKVCache
 from prefixmesh.replica.kvcache.connector_stats import USABLE
@@ -75,8 +74,8 @@ class WorkerSide:
             return
         loads = plan.loads
         if loads and self._layers is not None:
-            in_memory = [job for job in loads if job.tier is Tier.CPU and not job.shared]
-            loads = tuple(job for job in loads if job.tier is not Tier.CPU or job.shared)
+            in_memory = [job for job in loads if job.from_memory]
+            loads = tuple(job for job in loads if not job.from_memory)
             batch, missing = self._store.layer_batch(in_memory)
             self._failed.update(job.engine_block for job in missing)
             if batch is not None:
