@@ -24,7 +24,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,7 +196,11 @@ class RemoteEngine:
     where httpx (pure-Python h11 and anyio) took 6.5 ms, on the replica's hot path."""
 
     def __init__(
-        self, settings: RemoteEngineSettings, hasher: BlockHasher, sink: CacheChangeSink
+        self,
+        settings: RemoteEngineSettings,
+        hasher: BlockHasher,
+        sink: CacheChangeSink,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.url = settings.url.rstrip("/")
@@ -208,7 +212,8 @@ class RemoteEngine:
         self._mirror = HeldMirror()
         self._session: Any = None
         self._events_task: asyncio.Task[None] | None = None
-        self._last_heard = time.monotonic()
+        self._clock = clock
+        self._last_heard = clock()
         """When the event stream last opened or carried a line (the server's pulse)."""
 
     def _open_session(self) -> Any:
@@ -230,7 +235,7 @@ class RemoteEngine:
                 f"cluster as {ours}: router keys would never match (align cache.* and model)"
             )
         self.kv_blocks = int(info["kv_blocks"])
-        self._last_heard = time.monotonic()
+        self._last_heard = self._clock()
         self._capacity = {k: float(v) for k, v in info["capacity"].items()}
         self._events_task = asyncio.get_running_loop().create_task(self._follow_events())
         logger.info("remote engine %s: %d KV blocks", self.url, self.kv_blocks)
@@ -261,9 +266,9 @@ class RemoteEngine:
             try:
                 async with self._session.get("/engine/events", timeout=forever) as response:
                     response.raise_for_status()
-                    self._last_heard = time.monotonic()
+                    self._last_heard = self._clock()
                     async for line in ndjson_lines(response.content):
-                        self._last_heard = time.monotonic()
+                        self._last_heard = self._clock()
                         self._on_event(json.loads(line))
             except asyncio.CancelledError:
                 raise
@@ -339,7 +344,7 @@ class RemoteEngine:
     def healthy(self) -> bool:
         """The server was heard from less than ``unhealthy_after_s`` ago: a restart on the same
         port stays healthy, a server that is gone or stalled does not."""
-        return time.monotonic() - self._last_heard <= self.settings.unhealthy_after_s
+        return self._clock() - self._last_heard <= self.settings.unhealthy_after_s
 
     def close(self) -> None:
         if self._events_task is not None:

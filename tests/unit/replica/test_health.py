@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -69,17 +70,30 @@ def test_a_vllm_engine_is_healthy_until_it_errors() -> None:
     assert not engine.healthy()
 
 
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for an event, however slow the machine (a bound only against a hang)."""
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
 async def test_a_remote_engine_is_unhealthy_once_its_server_is_gone_too_long() -> None:
+    """On the engine's own clock (a fake one here), from what its event stream carried: a
+    loaded machine that delays the stream cannot change the outcome (it once did)."""
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
     up = {"up": True}
+    refused = {"count": 0}
     line = json.dumps({"load": encode_load(EngineLoad())}).encode() + b"\n"
 
     async def events(request: web.Request) -> web.StreamResponse:
         """The replica server's event stream: a load line every 20 ms, until it goes."""
         response = web.StreamResponse()
         if not up["up"]:
+            refused["count"] += 1
             request.transport.close()  # type: ignore[union-attr]
             return response
         await response.prepare(request)
@@ -96,19 +110,23 @@ async def test_a_remote_engine_is_unhealthy_once_its_server_is_gone_too_long() -
     settings = RemoteEngineSettings(
         str(server.make_url("")).rstrip("/"), reconnect_interval_s=0.02, unhealthy_after_s=0.3
     )
-    engine = RemoteEngine(settings, HASHER, lambda _: None)
+    now = {"s": 0.0}
+    engine = RemoteEngine(settings, HASHER, lambda _: None, clock=lambda: now["s"])
     engine._session = engine._open_session()
     engine._events_task = asyncio.get_running_loop().create_task(engine._follow_events())
     try:
-        await asyncio.sleep(0.5)
-        assert engine.healthy()  # longer than unhealthy_after_s, but heard all along
+        now["s"] = 10.0  # long past unhealthy_after_s, but the stream was heard all along
+        await _until(lambda: engine._last_heard == 10.0, "a line heard at 10 s")
+        assert engine.healthy()
         up["up"] = False
-        await asyncio.sleep(0.1)
+        # Once a reconnection was refused, the old stream is over: nothing more is heard.
+        await _until(lambda: refused["count"] >= 1, "a refused reconnection")
+        now["s"] = 10.2
         assert engine.healthy()  # a restart on the same port is not a death
-        await asyncio.sleep(0.4)
+        now["s"] = 10.4
         assert not engine.healthy()
         up["up"] = True
-        await asyncio.sleep(0.1)
+        await _until(lambda: engine._last_heard == 10.4, "the stream heard again")
         assert engine.healthy()
     finally:
         await engine.shutdown()
