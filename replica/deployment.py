@@ -330,6 +330,7 @@ class ReplicaServer:
     def report(self) -> ReplicaReport:
         """Load for routing, plus counters for tests and benchmarks."""
         load = self.engine.load()
+        connector = dict(load.connector_stats)
         inflight = self.holds.inflight
         publisher = self.publisher
         return ReplicaReport(
@@ -348,6 +349,8 @@ class ReplicaServer:
                 prefix_cache_queries_tokens=load.prefix_cache_queries_tokens,
                 prefix_cache_hit_tokens=load.prefix_cache_hit_tokens,
                 external_prefix_cache_hit_tokens=load.external_prefix_cache_hit_tokens,
+                layer_loads=connector.get("layer_loads", 0),
+                async_loads=connector.get("async_loads", 0),
                 holds=inflight.holds,
                 hold_timeouts=inflight.hold_timeouts,
                 published_events=publisher.published_events,

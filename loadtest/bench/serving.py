@@ -64,6 +64,10 @@ class PolicyReport:
     oracle_hit_rate: float
     computed_tokens: int
     """Prompt tokens the replicas computed (queried - hit, from their counters)."""
+    layer_loads: int
+    """Requests whose CPU-tier blocks loaded inside their step, layer by layer (connector)."""
+    async_loads: int
+    """Requests whose lower-tier blocks loaded beside the engine's steps (connector)."""
     min_computed_tokens: int
     """What one unbounded cache over the same prompts would compute (1 - oracle hit rate)."""
     requests_per_replica: dict[str, int]
@@ -150,9 +154,19 @@ async def play(
         )
 
 
-def _counters(config: PrefixmeshConfig) -> dict[str, tuple[int, int, int]]:
-    """Each replica's prefix-cache counters (queried, engine hits, lower-tier hits, in prompt
-    tokens), from its latest report as the router holds it
+_COUNTED = (
+    "prefix_cache_queries_tokens",
+    "prefix_cache_hit_tokens",
+    "external_prefix_cache_hit_tokens",
+    "layer_loads",
+    "async_loads",
+)
+
+
+def _counters(config: PrefixmeshConfig) -> dict[str, tuple[int, ...]]:
+    """Each replica's counters named in ``_COUNTED`` (queried, engine hits, lower-tier hits, in
+    prompt tokens; the connector's in-step and beside-the-batch loads, in requests), from its
+    latest report as the router holds it
     (the front deployment's ``replica_stats``: the Router's, or the proxy path's ingress);
     waits (60 s at most) until every replica has reported once."""
     from ray import serve
@@ -162,13 +176,12 @@ def _counters(config: PrefixmeshConfig) -> dict[str, tuple[int, int, int]]:
     front = ROUTER_NAME if config.serving.path == "direct" else INGRESS_NAME
     handle = serve.get_deployment_handle(front, config.app_name)
     deadline = time.monotonic() + 60
-    keys = ("prefix_cache_queries_tokens", "prefix_cache_hit_tokens")
-    external = "external_prefix_cache_hit_tokens"
+    keys = _COUNTED[:2]
     while True:
         stats = handle.replica_stats.remote().result(timeout_s=60)
         reported = [s for s in stats if all(k in s for k in keys)]
         if len(reported) >= config.replica.num_replicas or time.monotonic() > deadline:
-            return {s["replica_id"]: (s[keys[0]], s[keys[1]], s.get(external, 0)) for s in reported}
+            return {s["replica_id"]: tuple(s.get(k, 0) for k in _COUNTED) for s in reported}
         time.sleep(0.25)
 
 
@@ -204,8 +217,9 @@ def bench_policy(
         serve.delete(config.app_name)
     ok = [o for o in outcomes if not o.error and o.ttft_s is not None]
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
-    queries, engine_hits, tier_hits = (
-        sum(after[r][i] - before.get(r, (0, 0, 0))[i] for r in after) for i in range(3)
+    zero = (0,) * len(_COUNTED)
+    queries, engine_hits, tier_hits, layer_loads, async_loads = (
+        sum(after[r][i] - before.get(r, zero)[i] for r in after) for i in range(len(_COUNTED))
     )
     hits = engine_hits + tier_hits
     per_replica: dict[str, int] = {}
@@ -226,6 +240,8 @@ def bench_policy(
         ),
         oracle_hit_rate=round(oracle, 4),
         computed_tokens=queries - hits,
+        layer_loads=layer_loads,
+        async_loads=async_loads,
         min_computed_tokens=round(prompt_tokens * (1 - oracle)),
         requests_per_replica=dict(sorted(per_replica.items())),
         duration_s=round(duration, 2),
@@ -512,13 +528,13 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"{'policy':<12} {'ttft_mean':>9} {'ttft_p50':>9} {'ttft_p99':>9} {'hit':>6} "
-        f"{'oracle':>6} {'computed':>9} {'minimum':>9} {'fail':>5}"
+        f"{'oracle':>6} {'computed':>9} {'minimum':>9} {'fail':>5} {'in_step':>7} {'beside':>6}"
     )
     for r in reports:
         print(
             f"{r.policy:<12} {r.ttft_mean_s:>9.4f} {r.ttft_p50_s:>9.4f} {r.ttft_p99_s:>9.4f} "
             f"{r.hit_rate:>6.1%} {r.oracle_hit_rate:>6.1%} {r.computed_tokens:>9} "
-            f"{r.min_computed_tokens:>9} {r.failures:>5}"
+            f"{r.min_computed_tokens:>9} {r.failures:>5} {r.layer_loads:>7} {r.async_loads:>6}"
         )
     return 0
 

@@ -80,6 +80,10 @@ class ReplicaCounters:
     prefix_cache_hit_tokens: int = 0
     external_prefix_cache_hit_tokens: int = 0
     """Prompt tokens loaded from the lower tiers by our KV connector."""
+    layer_loads: int = 0
+    """Requests whose CPU-tier blocks the connector loaded inside their step, layer by layer."""
+    async_loads: int = 0
+    """Requests whose blocks the connector loaded beside the engine's steps."""
     holds: int = 0
     """Requests that waited in a delay-hit hold here."""
     hold_timeouts: int = 0

@@ -27,7 +27,11 @@ class _Engine:
 
     def load(self) -> EngineLoad:
         return EngineLoad(
-            waiting_requests=1, running_requests=2, kv_usage=0.5, prefix_cache_hit_tokens=64
+            waiting_requests=1,
+            running_requests=2,
+            kv_usage=0.5,
+            prefix_cache_hit_tokens=64,
+            connector_stats=(("async_loads", 3), ("cpu_loads", 40), ("layer_loads", 5)),
         )
 
     def close(self) -> None:
@@ -61,6 +65,8 @@ def test_the_report_counts_what_reached_the_replica() -> None:
         64,
     )
     assert counters.engine_waiting_requests == 1 and counters.engine_running_requests == 2
+    # The connector's loads by kind, for benchmarks behind the router (in step / beside).
+    assert (counters.layer_loads, counters.async_loads) == (5, 3)
 
 
 def test_serve_gets_the_wire_form_of_the_report() -> None:
