@@ -58,10 +58,15 @@ def deploy(ray_cluster: Cluster) -> Iterator[Deploy]:
 
     def _deploy(*overrides: str) -> PrefixmeshConfig:
         config = load_config(overrides=[f"cache_dir={ray_cluster.cache_dir}", *overrides])
+        if config.app_name in deployed:
+            # Afresh, its replicas starting side by side: redeployed in place, Serve replaces
+            # them one at a time, about 3 minutes each under two busy loops (Ray's workers run
+            # at niceness 15), past a test's 300 s limit.
+            serve.delete(config.app_name)
         serve.run(build_app(config), name=config.app_name, route_prefix="/")
         deployed.append(config.app_name)
         return config
 
     yield _deploy
-    for name in deployed:
+    for name in dict.fromkeys(deployed):
         serve.delete(name)

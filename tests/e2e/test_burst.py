@@ -35,8 +35,6 @@ BLOCK = 128
 def burst_cluster(
     request: pytest.FixtureRequest, ray_cluster: Cluster, deploy: Deploy
 ) -> Iterator[Cluster]:
-    from ray import serve
-
     backend, ingresses = request.param
     overrides = [
         "replica.engine=sim",
@@ -50,12 +48,8 @@ def burst_cluster(
         "routing.prefixmesh.near_best_abs_s=1.0",
     ]
     if backend == "memory":
-        config = deploy(*overrides)
+        deploy(*overrides)  # the next parameter's deploy replaces it afresh (conftest)
         yield ray_cluster
-        # The next parameter deploys afresh, its replicas starting side by side: redeployed in
-        # place, Serve replaced them one at a time (about 3 minutes each under two busy loops,
-        # where Ray's workers run at niceness 15).
-        serve.delete(config.app_name)
         return
     redis = LocalRedisServer()
     redis.start()
