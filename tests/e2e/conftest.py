@@ -63,10 +63,11 @@ def deploy(ray_cluster: Cluster) -> Iterator[Deploy]:
             # them one at a time, about 3 minutes each under two busy loops (Ray's workers run
             # at niceness 15), past a test's 300 s limit.
             serve.delete(config.app_name)
+        else:
+            deployed.append(config.app_name)
         serve.run(build_app(config), name=config.app_name, route_prefix="/")
-        deployed.append(config.app_name)
         return config
 
     yield _deploy
-    for name in dict.fromkeys(deployed):
+    for name in deployed:
         serve.delete(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,6 +14,15 @@ from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.config import PrefixmeshConfig, load_config
 
 SIM = ("replica.sim.kv_blocks=64", "replica.vllm.max_model_len=4096")
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait for ``check`` to hold (the bound is only against a hang)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not check():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
 
 
 def sim_config(*overrides: str) -> PrefixmeshConfig:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +21,7 @@ from prefixmesh.replica.engines.remote_engine import (
 )
 from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
 from prefixmesh.replica.publisher import EventPublisher
-from tests.unit.replica.conftest import sim_config
+from tests.unit.replica.conftest import eventually, sim_config
 
 R = ReplicaId("replica-a")
 HASHER = make_hasher(sim_config())
@@ -70,15 +69,6 @@ def test_a_vllm_engine_is_healthy_until_it_errors() -> None:
     assert not engine.healthy()
 
 
-async def _until(condition: Callable[[], bool], what: str) -> None:
-    """Wait for an event, however slow the machine (a bound only against a hang)."""
-    for _ in range(2000):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
-
-
 async def test_a_remote_engine_is_unhealthy_once_its_server_is_gone_too_long() -> None:
     """On the engine's own clock (a fake one here), from what its event stream carried: a
     loaded machine that delays the stream cannot change the outcome (it once did)."""
@@ -116,17 +106,17 @@ async def test_a_remote_engine_is_unhealthy_once_its_server_is_gone_too_long() -
     engine._events_task = asyncio.get_running_loop().create_task(engine._follow_events())
     try:
         now["s"] = 10.0  # long past unhealthy_after_s, but the stream was heard all along
-        await _until(lambda: engine._last_heard == 10.0, "a line heard at 10 s")
+        await eventually(lambda: engine._last_heard == 10.0, 20)  # a line heard at 10 s
         assert engine.healthy()
         up["up"] = False
         # Once a reconnection was refused, the old stream is over: nothing more is heard.
-        await _until(lambda: refused["count"] >= 1, "a refused reconnection")
+        await eventually(lambda: refused["count"] >= 1, 20)
         now["s"] = 10.2
         assert engine.healthy()  # a restart on the same port is not a death
         now["s"] = 10.4
         assert not engine.healthy()
         up["up"] = True
-        await _until(lambda: engine._last_heard == 10.4, "the stream heard again")
+        await eventually(lambda: engine._last_heard == 10.4, 20)  # heard again
         assert engine.healthy()
     finally:
         await engine.shutdown()

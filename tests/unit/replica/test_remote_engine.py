@@ -36,17 +36,9 @@ from prefixmesh.replica.engines.remote_engine import (
     ndjson_lines,
 )
 from prefixmesh.wire import SamplingSettings
-from tests.unit.replica.conftest import LiveServer, sim_config
+from tests.unit.replica.conftest import LiveServer, eventually, sim_config
 
 PROMPT = tuple(range(3, 303))  # 300 tokens: two full blocks of 128
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not check():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 def test_the_wire_format_round_trips() -> None:
