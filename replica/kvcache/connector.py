@@ -318,7 +318,13 @@ class _SchedulerSide:
                 self._outside = NoticeReceiver(socket_path)
             except OSError as exc:  # the lookahead still hears vLLM's own queue
                 logger.warning("lookahead: held requests unheard at %s (%s)", socket_path, exc)
-        self.planner = TierPlanner(managed.policy, capacity, costs, share=shared_blocks > 0)
+        self.planner = TierPlanner(
+            managed.policy,
+            capacity,
+            costs,
+            share=shared_blocks > 0,
+            step_tokens=connector._step_tokens,
+        )
         self._shared: SharedDirIndex | None = None
         if shared_blocks:
             self._shared = SharedDirIndex(
@@ -404,11 +410,13 @@ class _SchedulerSide:
             self.planner.shared_view(self._shared.blocks)
         count = state.match_blocks = self.planner.match(state.blocks, start, limit)
         state.match_async = self._async_loads and count > 0
+        # Its first step computes up to a step's budget of its own tokens past the load.
+        compute = min(request.num_tokens - (start + count) * size, self._step_tokens)
         if state.match_async and self._layerwise:
-            # Its first step computes up to a step's budget of its own tokens past the load.
-            compute = min(request.num_tokens - (start + count) * size, self._step_tokens)
             loaded = state.blocks[start : start + count]
             state.match_async = not self.planner.hides_under_compute(loaded, compute)
+        elif not state.match_async:
+            self.planner.joins_step(compute)
         return count * size, state.match_async
 
     def plan_loads(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
@@ -454,7 +462,18 @@ class _SchedulerSide:
             state.offered = end
         for req_id in output.finished_req_ids:
             self._requests.pop(req_id, None)
-        return self.planner.take_plan()
+        # The next step carries the running batch: a decode step (measured) and the prefills
+        # it continues, the compute its layer-by-layer loads hide under.
+        prefilling = 0
+        for req_id, computed in scheduled:
+            state = self._requests.get(req_id)
+            if state is not None:
+                done = computed + output.num_scheduled_tokens.get(req_id, 0)
+                prefilling += max(0, state.request.num_prompt_tokens - done)
+        return self.planner.take_plan(
+            carried_s=meter.decode_step_s if output.num_scheduled_tokens else 0.0,
+            carried_tokens=prefilling,
+        )
 
     def forget_failed(self, engine_blocks: set[int]) -> None:
         maps = [self._loaded, *self._loading.values()]

@@ -18,7 +18,11 @@ A load can also be asynchronous (Strata's rule: loading never leaves the batch w
 request waits outside the batch while a loader runs its ``RequestLoad`` beside the engine's
 steps, and joins once the worker reports it done (``load_finished``). Its blocks stay pinned
 until then, and the loads still queued count against the next request's: a load that would
-wait behind them longer than recomputing takes is not made (``match``).
+wait behind them longer than recomputing takes is not made (``match``). A load from this
+replica's memory may instead run inside its step, layer by layer, where the step's compute
+hides the copy: Strata's balanced batch, per step (``hides_under_compute``). The step being
+scheduled sums its layer copies and its compute (the running batch it carries, plus each request
+that joins it); a load that would leave the step loading-bound goes beside the batch.
 
 With a shared tier (a folder every replica shares, ``shared.py``) the planner also loads blocks
 that other replicas wrote there (``shared_view``: the folder's latest listing) when this
@@ -143,6 +147,16 @@ class LoadCosts:
 
 
 @dataclass(slots=True)
+class _StepLoad:
+    """The engine step being scheduled: its layer-by-layer copies and the compute that hides
+    them, in seconds, and the tokens it computes (at most the step's budget)."""
+
+    copy_s: float = 0.0
+    compute_s: float = 0.0
+    tokens: int = 0
+
+
+@dataclass(slots=True)
 class _Counters:
     loads: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in LOWER_TIERS})
     stores: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in LOWER_TIERS})
@@ -171,7 +185,10 @@ class TierPlanner:
         costs: LoadCosts,
         *,
         share: bool = False,
+        step_tokens: int | None = None,
     ) -> None:
+        """``step_tokens``: the most tokens one engine step computes (vLLM's
+        ``max_num_batched_tokens``; None: no limit)."""
         self.policy = policy
         self.capacity = {t: max(0, int(capacity_blocks.get(t, 0))) for t in LOWER_TIERS}
         self.costs = costs
@@ -191,6 +208,8 @@ class TierPlanner:
         self._shared: Collection[BlockHash] = frozenset()
         self._sharing: set[BlockHash] = set()
         """Blocks this replica queued for the shared folder that its listing has not shown."""
+        self._step_tokens = step_tokens
+        self._step = _StepLoad()
         self.counters = _Counters()
 
     # ---- state ---------------------------------------------------------------------------------
@@ -274,17 +293,38 @@ class TierPlanner:
         return best
 
     def hides_under_compute(self, blocks: Sequence[BlockHash], compute_tokens: int) -> bool:
-        """Strata's balance for one request: load ``blocks`` inside its step, layer by layer,
-        when every one is in this replica's CPU tier (a memory copy: no disk read on the step
-        path) and copying them takes no longer than that step's compute of the request's own
-        ``compute_tokens``, which then hides the copy; otherwise the load goes beside the batch,
-        where a longer copy stalls no one."""
+        """Strata's balanced batch, per step: load ``blocks`` inside the step being scheduled,
+        layer by layer, when every one is in this replica's CPU tier (a memory copy: no disk
+        read on the step path) and the step's copies, these included, take no longer than its
+        compute: the running batch it carries (``take_plan``) and every request joining it,
+        this one's ``compute_tokens`` included. Copies overlap the whole step's compute, layer
+        by layer, not only their own request's. A load that would leave the step loading-bound
+        goes beside the batch instead, where it stalls no one. A yes counts the request into
+        the step (as ``joins_step``)."""
         if not blocks or compute_tokens <= 0:
             return False
         if any(self._source(block) != (Tier.CPU, False) for block in blocks):
             return False
+        step = self._step
         copy_s = len(blocks) * self.costs.load_s(Tier.CPU)
-        return copy_s <= compute_tokens / self.costs.prefill_tokens_per_s
+        tokens = self._within_budget(compute_tokens)
+        if step.copy_s + copy_s > step.compute_s + tokens / self.costs.prefill_tokens_per_s:
+            return False
+        step.copy_s += copy_s
+        self.joins_step(compute_tokens)
+        return True
+
+    def joins_step(self, compute_tokens: int) -> None:
+        """A request computes ``compute_tokens`` in the step being scheduled (with no copy of
+        its own in it): more compute to hide other requests' copies under."""
+        tokens = self._within_budget(compute_tokens)
+        self._step.tokens += tokens
+        self._step.compute_s += tokens / self.costs.prefill_tokens_per_s
+
+    def _within_budget(self, tokens: int) -> int:
+        if self._step_tokens is None:
+            return tokens
+        return max(0, min(tokens, self._step_tokens - self._step.tokens))
 
     def _source(self, block: BlockHash) -> tuple[Tier, bool] | None:
         """Where a load of ``block`` reads from: this replica's tier, else the shared folder."""
@@ -380,8 +420,13 @@ class TierPlanner:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def take_plan(self) -> StepPlan:
+    def take_plan(self, *, carried_s: float = 0.0, carried_tokens: int = 0) -> StepPlan:
+        """This step's plan. The next step starts carrying ``carried_s`` seconds of compute (the
+        running batch's decode step, measured) and ``carried_tokens`` (prefills it continues)."""
         plan = StepPlan(tuple(self._loads), tuple(self._jobs), tuple(self._async))
+        self._step = _StepLoad()
+        self.joins_step(carried_tokens)
+        self._step.compute_s += carried_s
         self._loads.clear()
         self._jobs.clear()
         self._async.clear()

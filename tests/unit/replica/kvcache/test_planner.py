@@ -148,6 +148,26 @@ def test_loads_are_planned_and_pinned_against_eviction_in_the_same_step() -> Non
     assert p.take_plan().jobs[-1] == StoreJob(B(9), 0)
 
 
+def test_a_step_hides_copies_under_all_of_its_compute_not_only_their_own_requests() -> None:
+    p = TierPlanner(LRUPolicy(), {Tier.CPU: 4, Tier.DISK: 0}, FAST_DISK, step_tokens=3)
+    store_all(p, chain(1, 2, 3, 4))
+    # The step carries the running batch's decode step, 0.25 ms (copies: 0.1 ms a block).
+    p.take_plan(carried_s=0.00025)
+    assert p.hides_under_compute([B(1), B(2), B(3)], compute_tokens=1)  # 0.3 under 0.35 ms
+    assert not p.hides_under_compute([B(4), B(1)], compute_tokens=1)  # 0.5 over 0.45: beside
+    p.joins_step(2)  # another request computes 2 tokens in the step, with nothing to load
+    # The step's 3 tokens are spent, so this request computes nothing more in it, but the
+    # other's compute hides its copy: 0.5 under 0.55 ms.
+    assert p.hides_under_compute([B(4), B(1)], compute_tokens=1)
+    p.take_plan()  # nothing carried: a request's copy is back to its own compute
+    assert not p.hides_under_compute([B(1), B(2)], compute_tokens=1)
+    # Past the step's 3-token budget a request's tokens wait for the next step: they hide
+    # nothing in this one (1 of its 10 tokens counts).
+    p.take_plan(carried_tokens=2)
+    assert not p.hides_under_compute([B(1), B(2), B(3), B(4)], compute_tokens=10)  # 0.4 > 0.3
+    assert p.hides_under_compute([B(1), B(2)], compute_tokens=10)
+
+
 def test_a_cpu_tier_load_runs_in_the_step_only_when_its_compute_hides_the_copy() -> None:
     p = planner(cpu=2, disk=1)
     store_all(p, chain(1, 2))
@@ -156,12 +176,13 @@ def test_a_cpu_tier_load_runs_in_the_step_only_when_its_compute_hides_the_copy()
     p.take_plan()
     # Copying one 1 MB block from memory at 10 GB/s takes 0.1 ms: one token (0.1 ms at 10k
     # tokens/s) hides it, none does not.
-    assert p.hides_under_compute([B(1)], compute_tokens=1)
     assert not p.hides_under_compute([B(1)], compute_tokens=0)
     assert not p.hides_under_compute([B(1), B(7)], compute_tokens=1)  # 0.2 ms
-    assert p.hides_under_compute([B(1), B(7)], compute_tokens=2)
     assert not p.hides_under_compute([B(1), B(2)], compute_tokens=10_000)  # a disk read
     assert not p.hides_under_compute([], compute_tokens=10)
+    assert p.hides_under_compute([B(1)], compute_tokens=1)
+    p.take_plan()  # a new step
+    assert p.hides_under_compute([B(1), B(7)], compute_tokens=2)
     p.plan_loads([B(1)], [40], layerwise=True)
     p.plan_loads([B(2)], [41], layerwise=True)  # from disk: not a layer load
     p.plan_loads([B(7)], [42])

@@ -50,3 +50,16 @@ def test_bad_settings_are_refused() -> None:
         PrefillRateMeter(0.0, min_tokens=1)
     with pytest.raises(ValueError):
         PrefillRateMeter(1.0, min_tokens=1, weight=0.0)
+
+
+def test_small_steps_give_the_duration_of_a_decode_step() -> None:
+    meter = PrefillRateMeter(1000.0, min_tokens=100, weight=0.5)
+    assert meter.decode_step_s == 0.0  # not timed yet
+    meter.scheduled(0.0, {"a", "b"}, 2)
+    meter.scheduled(0.04, {"a", "b"}, 2)  # the first sample stands alone: 40 ms
+    assert meter.decode_step_s == pytest.approx(0.04)
+    meter.scheduled(0.06, {"b"}, 1)  # 20 ms: halfway from 40 is 30
+    assert meter.decode_step_s == pytest.approx(0.03)
+    meter.scheduled(5.0, {"c"}, 1)  # b finished: the engine may have idled since
+    assert (meter.decode_samples, meter.samples) == (2, 0)
+    assert meter.tokens_per_s == 1000.0  # a small step says nothing of the prefill rate
