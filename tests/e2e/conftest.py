@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -71,3 +73,30 @@ def deploy(ray_cluster: Cluster) -> Iterator[Deploy]:
     yield _deploy
     for name in deployed:
         serve.delete(name)
+
+
+def replica_reports(app: str = "prefixmesh", front: str = "Router") -> dict[str, dict[str, Any]]:
+    """Each replica's latest report (replica id -> its wire fields), as ``app``'s front
+    deployment sees it: its router on the direct path, its ingress (``"Ingress"``) on the
+    proxy path."""
+    from ray import serve
+
+    stats = serve.get_deployment_handle(front, app).replica_stats.remote()
+    return {s["replica_id"]: s for s in stats.result(timeout_s=30)}
+
+
+def published_events(app: str = "prefixmesh", front: str = "Router") -> dict[str, int]:
+    """Cache events each replica has had acknowledged by the registry, as last reported."""
+    return {r: s.get("published_events", 0) for r, s in replica_reports(app, front).items()}
+
+
+def wait_published(
+    replica: str, before: dict[str, int], app: str = "prefixmesh", front: str = "Router"
+) -> None:
+    """Wait until ``replica`` reports more registry-acknowledged cache events than it did in
+    ``before``: what it stored since is in the registry. Tests wait for this event instead of
+    a time (under two busy loops a report or a publish can take seconds)."""
+    deadline = time.monotonic() + 120  # a bound against a hang only
+    while published_events(app, front).get(replica, 0) <= before.get(replica, 0):
+        assert time.monotonic() < deadline, f"{replica} published nothing new"
+        time.sleep(0.2)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from prefixmesh.cache_registry.redis_server import LocalRedisServer
-from tests.e2e.conftest import Cluster, Deploy
+from tests.e2e.conftest import Cluster, Deploy, replica_reports
 
 # Two deployments under load (two busy loops on both cores) outlast the default 300 s.
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -71,16 +71,6 @@ def burst_cluster(
         redis.close()
 
 
-def replica_stats(cluster: Cluster) -> dict[str, dict[str, Any]]:
-    """The replicas' latest reports, as a router (one of them) sees them."""
-    from ray import serve
-
-    from prefixmesh.app import ROUTER_NAME
-
-    stats = serve.get_deployment_handle(ROUTER_NAME, "prefixmesh").replica_stats.remote()
-    return {s["replica_id"]: s for s in stats.result(timeout_s=30)}
-
-
 _DECISION_LINE = re.compile(
     r"^prefixmesh_routing_(decisions|fallbacks)_total"
     r'\{(?:policy="[^"]*",)?reason="([^"]*)"\} (\S+)$'
@@ -104,6 +94,23 @@ def decision_counts(cluster: Cluster) -> Counter[str]:
     return counts
 
 
+def queried_tokens(stats: dict[str, dict[str, Any]]) -> int:
+    return sum(s.get("prefix_cache_queries_tokens", 0) for s in stats.values())
+
+
+def reports_with(queried: int) -> dict[str, dict[str, Any]]:
+    """The replicas' reports once they count ``queried`` prompt tokens in all: every request
+    sent so far has reached its engine and been reported (replicas report once a second; on a
+    starved machine much later, so the test waits for the count, not for a time)."""
+    deadline = time.monotonic() + 120  # a bound against a hang only
+    while True:
+        stats = replica_reports()
+        if queried_tokens(stats) >= queried:
+            return stats
+        assert time.monotonic() < deadline, (queried_tokens(stats), queried)
+        time.sleep(0.5)
+
+
 def computed_tokens(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> int:
     """Prompt tokens the engines computed between two reports (queried minus hit)."""
     total = 0
@@ -117,10 +124,11 @@ def computed_tokens(before: dict[str, dict[str, Any]], after: dict[str, dict[str
 
 def test_a_burst_on_a_fresh_prefix_computes_it_about_once(burst_cluster: Cluster) -> None:
     cluster = burst_cluster
-    # Every router starts, and has each replica's first report, before the burst.
-    deadline = time.monotonic() + 60
-    while len(replica_stats(cluster)) < 4 or any(
-        "prefix_cache_queries_tokens" not in s for s in replica_stats(cluster).values()
+    # Every router starts, and has each replica's first report, before the burst (the bound is
+    # against a hang: under two busy loops first reports take tens of seconds).
+    deadline = time.monotonic() + 240
+    while len(replica_reports()) < 4 or any(
+        "prefix_cache_queries_tokens" not in s for s in replica_reports().values()
     ):
         httpx.post(
             f"{cluster.base_url}/v1/completions",
@@ -132,13 +140,15 @@ def test_a_burst_on_a_fresh_prefix_computes_it_about_once(burst_cluster: Cluster
     # A long prompt of another document first: the router's first long tokenization and the
     # replicas' first long prefill are not timed inside the burst (as the first test of a run,
     # a decision cut short by the routing budget is balanced on load alone).
+    queried = queried_tokens(reports_with(0))
     warm = httpx.post(
         f"{cluster.base_url}/v1/completions",
         json={"model": MODEL, "prompt": DOCUMENT.replace("tenant", "landlord"), "max_tokens": 1},
         timeout=60,
     )
     assert warm.status_code == 200, warm.text
-    time.sleep(2.5)  # its prefill is in the replicas' reports before the burst's "before"
+    # Its prefill is in the replicas' reports before the burst's "before".
+    reports_with(queried + warm.json()["usage"]["prompt_tokens"])
 
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as client:
@@ -152,15 +162,14 @@ def test_a_burst_on_a_fresh_prefix_computes_it_about_once(burst_cluster: Cluster
                 )
             )
 
-    before = replica_stats(cluster)
+    before = reports_with(0)
     decisions_before = decision_counts(cluster)
     responses = asyncio.run(burst())
     assert all(r.status_code == 200 for r in responses), [r.text[:300] for r in responses]
     usage = [r.json()["usage"] for r in responses]
     cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usage]
     replicas = {r.headers["x-prefixmesh-replica"] for r in responses}
-    time.sleep(2.5)  # replicas report their counters once a second
-    after = replica_stats(cluster)
+    after = reports_with(queried_tokens(before) + sum(u["prompt_tokens"] for u in usage))
     holds = sum(a["holds"] for a in after.values()) - sum(b["holds"] for b in before.values())
     prompt = min(u["prompt_tokens"] for u in usage)
     document_tokens = (prompt // BLOCK - 1) * BLOCK  # the blocks every sibling shares

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from prefixmesh.config import PrefixmeshConfig
-from tests.e2e.conftest import Cluster, Deploy
+from tests.e2e.conftest import Cluster, Deploy, published_events, wait_published
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "demo-tiny"
@@ -99,10 +99,11 @@ def test_shared_prefix_requests_land_on_the_holder(
 ) -> None:
     cluster, config = direct
     routed_before = router(config).counts.remote().result()["routed"]
+    published = published_events(config.app_name)
     first = post(cluster, {"model": MODEL, "prompt": DOCUMENT + " Question 0?", "max_tokens": 2})
     assert first.status_code == 200, first.text
     holder = first.headers["x-prefixmesh-replica"]
-    time.sleep(0.3)
+    wait_published(holder, published, config.app_name)  # its cache events reach the registry
     for i in range(1, 5):
         body = {"model": MODEL, "prompt": DOCUMENT + f" Question {i}?", "max_tokens": 2}
         response = post(cluster, body)

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,8 +88,12 @@ class Restartable:
     config: PrefixmeshConfig
     redis: LocalRedisServer
     servers: Servers
-    doc_keys: list[PrefixKey]
-    """Each document's full blocks but the last, as the ingress hashes them."""
+    key_of: Callable[[str], PrefixKey]
+    """A document's full blocks but the last, as the ingress hashes them."""
+
+    @property
+    def doc_keys(self) -> list[PrefixKey]:
+        return [self.key_of(document) for document in DOCUMENTS]
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +121,10 @@ def restartable(
             f"registry.redis_url={redis.url}",
             # The new ingress must route on what Redis holds: with both cores busy a lookup
             # outlasts the default 5 ms deadline and the request is routed on load alone
-            # (the deadline's own test is test_faults.py's).
-            "registry.lookup_deadline_ms=50",
+            # (the deadline's own test is test_faults.py's). Under two busy loops 50 ms was
+            # not enough either (test_burst.py saw 7 of 8 lookups time out at 50 ms).
+            "registry.lookup_deadline_ms=1000",
+            "registry.op_timeout_ms=1000",
         )
         from transformers import AutoTokenizer
 
@@ -126,11 +132,12 @@ def restartable(
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config))
         hasher = make_hasher(config)
-        keys = []
-        for document in DOCUMENTS:
+
+        def key_of(document: str) -> PrefixKey:
             key = hasher.hash_tokens(tokenizer(document)["input_ids"])
-            keys.append(PrefixKey(key.block_hashes[:-1], key.block_size))
-        yield Restartable(ray_cluster, config, redis, servers, keys)
+            return PrefixKey(key.block_hashes[:-1], key.block_size)
+
+        yield Restartable(ray_cluster, config, redis, servers, key_of)
     finally:
         for process in servers.processes:
             process.stop()
@@ -158,6 +165,22 @@ async def probe(r: Restartable) -> AsyncIterator[RedisRegistry]:
         yield registry
     finally:
         await registry.close()
+
+
+async def wait_published(r: Restartable, document: str, replica: str, timeout_s: float) -> bool:
+    """Whether Redis came to hold every block of ``document`` for ``replica`` as published by
+    it (its cache events went replica server -> Serve replica -> Redis), not merely as a
+    router's speculative entry, within ``timeout_s``."""
+    key = r.key_of(document)
+
+    async def published(registry: RedisRegistry) -> bool:
+        hit = (await registry.lookup(key, [ReplicaId(replica)], deadline_s=1.0)).get(
+            ReplicaId(replica)
+        )
+        return hit is not None and hit.num_blocks - hit.num_speculative >= len(key.block_hashes)
+
+    async with probe(r) as registry:
+        return await wait_until(lambda: published(registry), timeout_s) is not None
 
 
 async def entries_of(r: Restartable, registry: RedisRegistry, replica: str) -> int:
@@ -303,7 +326,9 @@ def test_a_new_ingress_reads_what_redis_holds(restartable: Restartable) -> None:
     document = DOCUMENTS[1].replace("party", "signatory")
     first = complete(r, document + " Who holds this?")
     holder = first.headers["x-prefixmesh-replica"]
-    time.sleep(1.0)  # the stored event travels replica server -> Serve replica -> Redis
+    # The new ingress can only find what Redis holds: wait for the holder's events to land (a
+    # blind second was too short under two busy loops).
+    assert asyncio.run(wait_published(r, document, holder, timeout_s=120)), "never published"
     [old] = ingress_actors(r.config.app_name)
     killed_at = time.monotonic()
     ray.kill(ray.get_actor(old, namespace="serve"), no_restart=True)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
+from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy, published_events, wait_published
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "demo-tiny"
@@ -53,9 +52,10 @@ def test_openai_client_streaming_and_not(cluster: Cluster) -> None:
 
 
 def test_shared_prefix_requests_land_on_the_holder(cluster: Cluster) -> None:
+    before = published_events(front="Ingress")
     first = complete(cluster, DOCUMENT + " Question 0?")
     holder = first.headers["x-prefixmesh-replica"]
-    time.sleep(0.3)
+    wait_published(holder, before, front="Ingress")  # its cache events reach the registry
     for i in range(1, 6):
         response = complete(cluster, DOCUMENT + f" Question {i}?")
         assert response.headers["x-prefixmesh-replica"] == holder

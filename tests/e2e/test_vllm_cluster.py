@@ -11,7 +11,7 @@ import openai
 import psutil
 import pytest
 
-from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
+from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy, published_events, wait_published
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
 MODEL = "demo-tiny"
@@ -84,6 +84,7 @@ def test_chat_and_chat_stream(client: openai.OpenAI) -> None:
 
 def test_repeated_prefix_is_cached_on_the_same_replica(cluster: Cluster) -> None:
     replicas, cached = [], []
+    before = published_events(front="Ingress")
     for i in range(4):
         response = httpx.post(
             f"{cluster.base_url}/v1/completions",
@@ -93,7 +94,8 @@ def test_repeated_prefix_is_cached_on_the_same_replica(cluster: Cluster) -> None
         assert response.status_code == 200, response.text
         replicas.append(response.headers["x-prefixmesh-replica"])
         cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-        time.sleep(0.2)  # let the first request's cache events reach the registry
+        if i == 0:  # the first request's cache events reach the registry
+            wait_published(replicas[0], before, front="Ingress")
     assert len(set(replicas)) == 1, replicas
     assert cached[0] == 0
     assert all(c >= 128 for c in cached[1:]), cached
@@ -103,12 +105,14 @@ def test_router_keys_match_what_replicas_publish(cluster: Cluster) -> None:
     """The registry knows the prefix under the router's keys: a new prompt sharing it goes to
     the holder even with no speculative entry (a different process wrote the entries)."""
     prompt = LONG_TEXT.replace("value", "item")
+    before = published_events(front="Ingress")
     first = httpx.post(
         f"{cluster.base_url}/v1/completions",
         json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
         timeout=120,
     )
     holder = first.headers["x-prefixmesh-replica"]
+    wait_published(holder, before, front="Ingress")
     time.sleep(2.5)  # past the speculative TTL: only confirmed (published) entries remain
     second = httpx.post(
         f"{cluster.base_url}/v1/completions",
