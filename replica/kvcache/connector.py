@@ -436,7 +436,10 @@ class _SchedulerSide:
         meter = self._prefill_rate
         samples = meter.samples
         rate = meter.scheduled(
-            time.monotonic(), output.num_scheduled_tokens.keys(), output.total_num_scheduled_tokens
+            time.monotonic(),
+            output.num_scheduled_tokens.keys(),
+            output.total_num_scheduled_tokens,
+            loads=bool(self._loaded),
         )
         self.planner.measured_prefill(rate)
         if samples == 0 and meter.samples:

@@ -9,7 +9,8 @@ prefill: a decode step runs one token a request) gives a sample of seconds per t
 is the inverse of their exponentially weighted mean. Until the first sample the given initial
 rate stands (a configured guess, or a calibration's). A smaller step (the running batch's
 decode, mostly) gives a sample of a step's own duration: the compute a step carries before any
-new request joins it, which hides the copies of that step's layer-by-layer loads.
+new request joins it, which hides the copies of that step's layer-by-layer loads. A step with
+loads in it samples neither: its forward pass may have waited for a copy.
 """
 
 from __future__ import annotations
@@ -46,9 +47,12 @@ class PrefillRateMeter:
         """Seconds a step of fewer than ``min_tokens`` tokens takes (0 until one is timed)."""
         return self._decode_step_s
 
-    def scheduled(self, now_s: float, requests: Set[str], tokens: int) -> float:
+    def scheduled(
+        self, now_s: float, requests: Set[str], tokens: int, *, loads: bool = False
+    ) -> float:
         """A step was scheduled at ``now_s`` with ``tokens`` tokens of ``requests``; returns the
-        rate as it stands after it."""
+        rate as it stands after it. A step with ``loads`` in it (copies its forward pass may
+        wait for) is no sample of compute."""
         last = self._last
         if last is not None and now_s > last.time_s and not last.requests.isdisjoint(requests):
             step_s = now_s - last.time_s
@@ -62,5 +66,5 @@ class PrefillRateMeter:
             else:
                 self._decode_step_s = step_s
                 self.decode_samples = 1
-        self._last = _Step(now_s, frozenset(requests), tokens) if tokens > 0 else None
+        self._last = _Step(now_s, frozenset(requests), tokens) if tokens and not loads else None
         return self.tokens_per_s

@@ -63,3 +63,13 @@ def test_small_steps_give_the_duration_of_a_decode_step() -> None:
     meter.scheduled(5.0, {"c"}, 1)  # b finished: the engine may have idled since
     assert (meter.decode_samples, meter.samples) == (2, 0)
     assert meter.tokens_per_s == 1000.0  # a small step says nothing of the prefill rate
+
+
+def test_a_step_with_loads_in_it_is_no_sample() -> None:
+    meter = PrefillRateMeter(1000.0, min_tokens=100, weight=1.0)
+    meter.scheduled(0.0, {"a"}, 500, loads=True)  # its forward may wait for its copies
+    meter.scheduled(2.0, {"a"}, 1, loads=True)
+    meter.scheduled(2.5, {"a"}, 1)
+    assert (meter.samples, meter.decode_samples) == (0, 0)
+    meter.scheduled(2.52, {"a"}, 1)
+    assert meter.decode_step_s == pytest.approx(0.02)
