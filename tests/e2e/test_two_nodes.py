@@ -181,11 +181,20 @@ def _start_node(
 
 
 def _wait_for_nodes(
-    dashboard_url: str, auth: dict[str, str], count: int, timeout_s: float, logs: Path
-) -> None:
+    dashboard_url: str,
+    auth: dict[str, str],
+    count: int,
+    timeout_s: float,
+    logs: Path,
+    starting: Node | None = None,
+) -> bool:
+    """Wait for ``count`` alive Ray nodes: True once they are, False as soon as the node
+    ``starting`` has given up (its ``ray start`` exited)."""
     deadline = time.monotonic() + timeout_s
     alive = 0
     while time.monotonic() < deadline:
+        if starting is not None and starting.process.poll() is not None:
+            return False
         try:
             response = httpx.get(
                 f"{dashboard_url}/api/v0/nodes", params={"limit": 100}, headers=auth
@@ -193,7 +202,7 @@ def _wait_for_nodes(
             nodes = response.json()["data"]["result"]["result"]
             alive = sum(node["state"] == "ALIVE" for node in nodes)
             if alive >= count:
-                return
+                return True
         except (httpx.HTTPError, KeyError, ValueError):
             pass
         time.sleep(1)
@@ -244,7 +253,15 @@ def two_nodes() -> Iterator[TwoNodes]:
         for i in range(2):  # one after the other: a raylet's start is heavy on 2 cores
             ip, ports = f"127.0.0.{3 + i}", WORKER_PORTS[1 + i]
             workers.append(_start_node(f"worker-{i}", ip, ports, worker_args, env, logs))
-            _wait_for_nodes(dashboard_url, auth, 2 + i, START_WITHIN_S, logs)
+            if not _wait_for_nodes(dashboard_url, auth, 2 + i, START_WITHIN_S, logs, workers[i]):
+                # `ray start` gives its raylet a fixed 30 s to register with the GCS (in
+                # ray/_private/node.py), then exits: under two busy loops a worker ran out of
+                # it. Started once more, as an operator would.
+                workers[i].kill()
+                workers[i] = _start_node(f"worker-{i}-again", ip, ports, worker_args, env, logs)
+                assert _wait_for_nodes(
+                    dashboard_url, auth, 2 + i, START_WITHIN_S, logs, workers[i]
+                ), f"ray start of worker {i} gave up twice"
         deploy = [sys.executable, "-m", "prefixmesh.cli", "serve", "--detach",
                   f"--address={HEAD_IP}:{gcs_port}", "--set", f"ingress.port={http_port}",
                   "--set", f"cache_dir={Path('~/.cache/prefixmesh').expanduser()}"]  # fmt: skip
