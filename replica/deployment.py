@@ -354,6 +354,7 @@ class ReplicaServer:
                 holds=inflight.holds,
                 hold_timeouts=inflight.hold_timeouts,
                 published_events=publisher.published_events,
+                published_resets=publisher.published_resets,
                 resyncs=publisher.resyncs,
                 heartbeat_mismatches=publisher.heartbeat_mismatches,
                 reaped_replicas=publisher.reaped,

@@ -104,6 +104,11 @@ class EventPublisher:
         self._next_reap_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self.published_events = 0
+        self.published_resets = 0
+        """Acknowledged events that replaced this replica's whole view in the registry: a
+        cleared cache, or a new epoch's first event (the registry purges the old epoch's
+        entries). Tests wait for it: a count of entries need not drop when a reset lands, since
+        the snapshot after it may hold as much as before."""
         self.resyncs = 0
         self.heartbeat_mismatches = 0
         self.reaped = 0
@@ -233,6 +238,9 @@ class EventPublisher:
                 return
             del self._pending[: len(batch)]
             self.published_events += len(batch)
+            self.published_resets += sum(
+                event.kind is EventKind.CLEARED or event.seq == 0 for event in batch
+            )
             self._acked = (batch[-1].epoch, batch[-1].seq)
             now = time.monotonic()
             self._note_contact(now)

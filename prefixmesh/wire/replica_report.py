@@ -88,6 +88,9 @@ class ReplicaCounters:
     """Requests that waited in a delay-hit hold here."""
     hold_timeouts: int = 0
     published_events: int = 0
+    published_resets: int = 0
+    """Acknowledged events that replaced the replica's whole view in the registry (a cleared
+    cache, a new epoch)."""
     resyncs: int = 0
     heartbeat_mismatches: int = 0
     reaped_replicas: int = 0

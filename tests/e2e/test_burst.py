@@ -140,7 +140,7 @@ def test_a_burst_on_a_fresh_prefix_computes_it_about_once(burst_cluster: Cluster
     # A long prompt of another document first: the router's first long tokenization and the
     # replicas' first long prefill are not timed inside the burst (as the first test of a run,
     # a decision cut short by the routing budget is balanced on load alone).
-    queried = queried_tokens(reports_with(0))
+    queried = queried_tokens(replica_reports())
     warm = httpx.post(
         f"{cluster.base_url}/v1/completions",
         json={"model": MODEL, "prompt": DOCUMENT.replace("tenant", "landlord"), "max_tokens": 1},
@@ -162,7 +162,7 @@ def test_a_burst_on_a_fresh_prefix_computes_it_about_once(burst_cluster: Cluster
                 )
             )
 
-    before = reports_with(0)
+    before = replica_reports()
     decisions_before = decision_counts(cluster)
     responses = asyncio.run(burst())
     assert all(r.status_code == 200 for r in responses), [r.text[:300] for r in responses]

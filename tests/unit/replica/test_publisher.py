@@ -81,6 +81,29 @@ async def test_a_lost_batch_triggers_a_snapshot_in_a_new_epoch() -> None:
     assert held(target) == 4
 
 
+async def test_resets_are_counted_once_the_registry_acknowledges_them() -> None:
+    """A reset's witness for tests: a snapshot after a clear may hold as many blocks as before
+    it, so the registry's entry count need not drop; the acknowledged clear is counted."""
+    target = FlakyTarget()
+    publisher = EventPublisher(R, target, lambda: engine_tier(H[:2]))
+    publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, H[:2])])
+    await publisher.flush()
+    assert publisher.published_resets == 1  # the epoch's first event purges older epochs
+    publisher.submit(
+        [BlockChange(EventKind.CLEARED, None), BlockChange(EventKind.STORED, Tier.GPU, H[:2])]
+    )
+    target.drop_next = 1
+    await publisher.flush()  # lost: not acknowledged, not counted
+    assert publisher.published_resets == 1
+    await publisher.flush()  # the resync's snapshot: a new epoch
+    assert (publisher.resyncs, publisher.published_resets) == (1, 2)
+    publisher.submit(
+        [BlockChange(EventKind.CLEARED, None), BlockChange(EventKind.STORED, Tier.GPU, H[:2])]
+    )
+    await publisher.flush()
+    assert publisher.published_resets == 3 and held(target) == 2
+
+
 async def test_a_resync_snapshot_names_the_lower_tiers_too() -> None:
     """Regression: the snapshot named only the engine tier, so after any resync the registry
     forgot every block the replica held in its CPU and disk tiers."""

@@ -44,7 +44,12 @@ def _server() -> ReplicaServer:
     server.engine = _Engine()  # type: ignore[assignment]
     server.holds = ReplicaHolds(HoldSettings(own_holds=True))
     server.publisher = SimpleNamespace(  # type: ignore[assignment]
-        epoch=7, published_events=30, resyncs=1, heartbeat_mismatches=0, reaped=2
+        epoch=7,
+        published_events=30,
+        published_resets=2,
+        resyncs=1,
+        heartbeat_mismatches=0,
+        reaped=2,
     )
     server._prefill_tokens = {"q1": 300, "q2": 200}
     server._running = {"run1"}
@@ -73,4 +78,5 @@ def test_serve_gets_the_wire_form_of_the_report() -> None:
     server = _server()
     wire = server.record_routing_stats()
     assert ReplicaReport.from_wire(wire) == server.report()
-    assert wire["resyncs"] == 1 and wire["capacity"]["kv_blocks"] == 512
+    assert wire["resyncs"] == 1 and wire["published_resets"] == 2
+    assert wire["capacity"]["kv_blocks"] == 512
