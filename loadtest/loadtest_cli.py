@@ -15,7 +15,6 @@ import ipaddress
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -178,12 +177,6 @@ def run_locust(command: list[str], log: Path, timeout_s: float) -> int:
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
             return 124
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def main(argv: list[str], prog: str = "loadtest") -> int:

@@ -1,17 +1,22 @@
 """LocalRedisServer's TLS needs a redis-server built with TLS: found on PATH, or refused with
-a reason that says how to get one (the TLS tests skip with it)."""
+a reason that says how to get one (the TLS tests skip with it). ``free_port`` picks listener
+ports outside the kernel's ephemeral range."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from prefixmesh.cache_registry import redis_server
 from prefixmesh.cache_registry.redis_server import (
+    LISTENER_PORTS,
     LocalRedisServer,
     TLSUnsupportedError,
     find_redis_server,
+    free_port,
     supports_tls,
 )
 
@@ -52,3 +57,27 @@ def test_urls_and_endpoints() -> None:
         assert server.endpoint().password == "pw"
     finally:
         server.close()
+
+
+def test_free_ports_stay_out_of_the_kernels_ephemeral_range() -> None:
+    """Regression: a port the kernel picked (bind to port 0) for HAProxy's stats listener was
+    taken by an outgoing connection or another port-0 bind before HAProxy started, minutes
+    later under two busy loops: the two-node test's setup failed with EADDRINUSE."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+        first, last = (int(n) for n in ranges.read().split())
+    for _ in range(50):
+        port = free_port()
+        assert port in LISTENER_PORTS and not first <= port <= last
+
+
+def test_a_port_in_use_on_any_address_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    held = free_port()
+    other = held + 1 if held + 1 in LISTENER_PORTS else held - 1
+    picks: Iterator[int] = iter([held, held, other])
+    monkeypatch.setattr(
+        redis_server.secrets, "randbelow", lambda n: LISTENER_PORTS.index(next(picks))
+    )
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.2", held))  # another loopback address, as a Ray node's
+        listener.listen()
+        assert free_port() == other
