@@ -1,14 +1,18 @@
 """A continuous-batching engine (vLLM v1's scheduler, simplified) as an incremental model.
 
 Each step the engine schedules, within ``max_batch_tokens``: one token for every running decode,
-then the next chunk of every running prefill in admission order, then new requests from the FIFO
-waiting queue while budget, ``max_running`` and KV blocks allow (head-of-line blocking, as vLLM's
-FCFS). A request is admitted when its KV blocks fit: the blocks of prompt and expected output are
-reserved up front, so nothing is ever preempted. At admission its leading cached blocks are hits
-(pinned); the last prompt token is always computed (vLLM caps a hit at prompt_tokens - 1). When a
-prompt's prefill completes its full blocks are cached (stored events) and the first token comes
-out at the end of that step; at finish, a multi-turn request's ``finish_key`` blocks (prompt and
-answer) are cached too.
+then the next chunk of every running prefill, then new requests from the waiting queue while
+budget, ``max_running`` and KV blocks allow (head-of-line blocking, as vLLM's FCFS). Prefills and
+the waiting queue go in (``priority``, arrival) order, lower first: arrival order when every
+priority is equal, as it is unless the replica's fair share sets them. With priorities, a
+prefill in progress also yields the step to a more urgent waiting request that can start, as
+vLLM's running requests do under prefixmesh's scheduler (``replica/engines/vllm_priority.py``),
+so the urgent one waits for the step in progress only. A request is admitted when
+its KV blocks fit: the blocks of prompt and expected output are reserved up front, so nothing is
+ever preempted. At admission its leading cached blocks are hits (pinned); the last prompt token
+is always computed (vLLM caps a hit at prompt_tokens - 1). When a prompt's prefill completes its
+full blocks are cached (stored events) and the first token comes out at the end of that step; at
+finish, a multi-turn request's ``finish_key`` blocks (prompt and answer) are cached too.
 
 Holds (delay-hit deferral): a request submitted with a ``Hold`` is not admitted while another
 request on this engine is prefilling any of its first ``hold.num_blocks`` blocks, until they are
@@ -53,6 +57,8 @@ class EngineRequest:
     """Tokens it generates (the first comes from the prefill step)."""
     finish_key: PrefixKey | None = None
     """Key of prompt + answer (extends ``key``): cached at finish, for the session's next turn."""
+    priority: int = 0
+    """Lower goes first (vLLM's ``priority``); equal priorities go in arrival order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +281,7 @@ class EngineModel:
         req.estimate = request.prompt_tokens - self._hit_blocks(request) * self.block_size
         self._pending_prefill += req.estimate
         self._requests[request.request_id] = req
-        self._waiting.append(req)
+        _insert_in_order(self._waiting, req, first_of_priority=False)
         self.cache.arrived(request.request_id, request.key.block_hashes)
         self._load = None
         self._wake(now_s)
@@ -386,8 +392,9 @@ class EngineModel:
             self._release_held(now_s)
         budget = self.profile.max_batch_tokens - self._num_decoding
         chunks: list[tuple[_Request, int]] = []
-        for req in self._prefilling:
-            if budget <= 0:
+        yield_above = self._yield_above(now_s)
+        for req in self._prefilling:  # most urgent first
+            if budget <= 0 or (yield_above is not None and req.spec.priority > yield_above):
                 break
             if req.ready_s > now_s:
                 continue  # its blocks are still loading
@@ -440,6 +447,26 @@ class EngineModel:
             return
         stretch.end_s = now_s + stretch.elapsed_after(stretch.num_steps)
         self._stretch = stretch
+
+    def _yield_above(self, now_s: float) -> int | None:
+        """The waiting queue head's priority if it is more urgent than a prefill in progress
+        and can start now: the less urgent prefills yield this step to it, as vLLM's running
+        requests do under ``vllm_priority.py``. None: nobody yields (always, with equal
+        priorities)."""
+        if not self._waiting or not self._prefilling:
+            return None
+        head = self._waiting[0]
+        spec = head.spec
+        if self._prefilling[-1].spec.priority <= spec.priority:
+            return None
+        if head.hold is not None and self._blocked(head, now_s):
+            return None
+        if len(self._prefilling) + self._num_decoding >= self.profile.max_running:
+            return None
+        hashes = spec.key.block_hashes
+        hit = self.cache.match(hashes, (spec.prompt_tokens - 1) // self.block_size).num_blocks
+        total = -(-(spec.prompt_tokens + spec.output_tokens) // self.block_size)
+        return spec.priority if self.cache.fits(hashes, hit, total - hit) else None
 
     def _complete(self, stretch: _Stretch) -> None:
         """Apply the effects of a stretch that has ended."""
@@ -538,8 +565,9 @@ class EngineModel:
         for req in released:
             req.state = _WAITING
             req.record.held_s += now_s - req.held_since
-        # They arrived before anything queued behind them while they were held.
-        self._waiting.extendleft(reversed(released))
+        # They arrived before anything of their priority queued behind them while they were held.
+        for req in reversed(released):
+            _insert_in_order(self._waiting, req, first_of_priority=True)
 
     def _admit(self, req: _Request, now_s: float) -> float:
         """Reserve blocks and pin hits; the time to load its CPU and shared-tier blocks, or -1
@@ -567,7 +595,7 @@ class EngineModel:
         record.prefill_tokens = spec.prompt_tokens - req.num_computed
         self._pending_prefill += record.prefill_tokens - req.estimate
         req.estimate = 0
-        self._prefilling.append(req)
+        _insert_in_order(self._prefilling, req, first_of_priority=False)
         self._active_kv_blocks += total
         return match.num_cpu_blocks * self._load_s + match.num_shared_blocks * self._shared_load_s
 
@@ -618,3 +646,20 @@ class EngineModel:
                 finished.append(self._finish(req, now_s, aborted=True))
         self._aborting.clear()
         return finished
+
+
+def _insert_in_order(
+    queue: deque[_Request] | list[_Request], req: _Request, *, first_of_priority: bool
+) -> None:
+    """Put ``req`` in ``queue`` (by priority, lower first) after the requests of its priority, or
+    before them. With equal priorities (the common case) it goes to an end in O(1)."""
+    priority = req.spec.priority
+    if first_of_priority:
+        index = 0
+        while index < len(queue) and queue[index].spec.priority < priority:
+            index += 1
+    else:
+        index = len(queue)
+        while index > 0 and queue[index - 1].spec.priority > priority:
+            index -= 1
+    queue.insert(index, req)

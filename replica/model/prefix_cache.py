@@ -238,6 +238,16 @@ class PrefixCache:
             return PrefixMatch(i, num_cpu, num_shared)
         return PrefixMatch(limit, num_cpu, num_shared)
 
+    def fits(self, hashes: Sequence[BlockHash], num_hit: int, num_private: int) -> bool:
+        """Whether ``acquire`` would succeed now (changes nothing)."""
+        return self._fits(list(map(self._refs.get, hashes[:num_hit])), num_private)
+
+    def _fits(self, counts: list[int | None], num_private: int) -> bool:
+        # Blocks to load (not in the engine) and private ones, against the free blocks and the
+        # evictable ones this request does not pin itself.
+        needed = counts.count(None) + num_private
+        return needed <= self.num_free + len(self._evictable) - counts.count(0)
+
     def acquire(self, hashes: Sequence[BlockHash], num_hit: int, num_private: int) -> bool:
         """Reference the first ``num_hit`` blocks of ``hashes`` (as matched: CPU-only ones are
         loaded into engine blocks) and allocate ``num_private`` private blocks, evicting as
@@ -245,13 +255,12 @@ class PrefixCache:
         refs = self._refs
         hit = hashes[:num_hit]
         counts = list(map(refs.get, hit))
-        pinned_evictable = counts.count(0)
+        if not self._fits(counts, num_private):
+            return False
         to_load = (
             [b for b, c in zip(hit, counts, strict=True) if c is None] if None in counts else []
         )
         needed = len(to_load) + num_private
-        if needed > self.num_free + len(self._evictable) - pinned_evictable:
-            return False
         evictable = self._evictable
         for block in hit:
             count = refs.get(block)

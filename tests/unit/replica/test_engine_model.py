@@ -166,6 +166,41 @@ def test_the_oldest_request_blocks_the_queue() -> None:
     assert done["small"].admitted_s >= done["big"].admitted_s == done["a"].finish_s
 
 
+def test_a_more_urgent_request_takes_the_next_step_from_a_prefill_in_progress() -> None:
+    def first_tokens(urgent_priority: int) -> tuple[float | None, float | None]:
+        engine = EngineModel(TINY)
+        engine.submit(request("long", (1, 2, 3, 4, 5, 6), prompt=24, output=1, priority=5), 0.0)
+        engine.submit(request("urgent", (9, 10), prompt=8, output=1, priority=urgent_priority), 0.5)
+        done = records(drain(engine))
+        return done["urgent"].first_token_s, done["long"].first_token_s
+
+    # 0-2: 8 of long's 24 tokens. The urgent request then gets the next step (2-4) whole and
+    # long yields it; long's last 16 tokens follow (4-8).
+    assert first_tokens(urgent_priority=0) == (4.0, 8.0)
+    # Equal priorities: arrival order, long keeps the budget to the end of its prefill (6.0).
+    assert first_tokens(urgent_priority=5) == (8.0, 6.0)
+
+
+def test_the_waiting_queue_goes_by_priority_then_arrival() -> None:
+    engine = EngineModel(replace(TINY, max_running=1))
+    engine.submit(request("running", (1,), prompt=4, output=1), 0.0)
+    engine.submit(request("low", (2,), prompt=4, output=1, priority=5), 0.1)
+    engine.submit(request("high", (3,), prompt=4, output=1, priority=1), 0.2)
+    engine.submit(request("high2", (4,), prompt=4, output=1, priority=1), 0.3)
+    done = records(drain(engine))
+    order = sorted(done, key=lambda r: done[r].admitted_s or 0.0)
+    assert order == ["running", "high", "high2", "low"]
+
+
+def test_a_prefill_does_not_yield_to_a_request_that_cannot_start() -> None:
+    engine = EngineModel(replace(TINY, max_running=1))  # no free slot for the urgent one
+    engine.submit(request("long", (1, 2, 3, 4), prompt=16, output=1, priority=5), 0.0)
+    engine.submit(request("urgent", (9,), prompt=4, output=1, priority=0), 0.5)
+    done = records(drain(engine))
+    assert done["long"].first_token_s == 4.0  # two full steps, as without the urgent one
+    assert done["urgent"].admitted_s == 4.0
+
+
 def test_hold_waits_for_the_in_flight_prefix_then_hits_it() -> None:
     engine = EngineModel(TINY)
     engine.submit(request("a", (1, 2, 3), prompt=12, output=1), 0.0)
