@@ -20,6 +20,9 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSettings
+    priority: int = 0
+    """Lower goes first, ties in arrival order (vLLM's ``priority``); set by the replica's fair
+    share. An engine started without priority scheduling serves in arrival order."""
 
 
 @dataclass(frozen=True, slots=True)

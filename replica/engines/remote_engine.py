@@ -68,6 +68,7 @@ def encode_request(request: EngineRequest) -> dict[str, Any]:
             "stop_token_ids": list(s.stop_token_ids),
             "ignore_eos": s.ignore_eos,
         },
+        "priority": request.priority,
     }
 
 
@@ -82,7 +83,7 @@ def decode_request(data: Mapping[str, Any]) -> EngineRequest:
         ignore_eos=bool(s.get("ignore_eos", False)),
     )
     ids = tuple(int(t) for t in data["prompt_token_ids"])
-    return EngineRequest(str(data["request_id"]), ids, sampling)
+    return EngineRequest(str(data["request_id"]), ids, sampling, int(data.get("priority", 0)))
 
 
 def encode_chunk(chunk: EngineChunk) -> dict[str, Any]:

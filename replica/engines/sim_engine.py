@@ -121,7 +121,10 @@ class SimEngine:
         output_tokens = max(1, request.sampling.max_tokens)
         stream = self._streams[rid] = _Stream(output_tokens=output_tokens)
         self.model.submit(
-            ModelRequest(rid, key, len(request.prompt_token_ids), output_tokens), self._now()
+            ModelRequest(
+                rid, key, len(request.prompt_token_ids), output_tokens, priority=request.priority
+            ),
+            self._now(),
         )
         self._wake.set()
         sent = 0

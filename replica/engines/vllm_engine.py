@@ -58,6 +58,9 @@ class VllmEngineSettings:
     """The cluster's shared tier this engine loads from (None: none)."""
     shared_read_bytes_per_s: float | None = None
     """Its read rate (None: measured at start)."""
+    priority_scheduling: bool = False
+    """Serve requests by their priority, in the waiting queue and within each step
+    (``vllm_priority.py``); False: vLLM's arrival order, and a request's priority is ignored."""
 
 
 class _StatsCapture:
@@ -162,6 +165,8 @@ class VllmEngine:
                 kv_role="kv_both",
                 kv_connector_extra_config=extra,
             )
+        from prefixmesh.replica.engines.vllm_priority import SCHEDULER_QUALNAME
+
         args = AsyncEngineArgs(
             model=s.model_path,
             tokenizer=s.model_path,
@@ -180,6 +185,8 @@ class VllmEngine:
                 enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv"
             ),
             kv_transfer_config=transfer,
+            scheduling_policy="priority" if s.priority_scheduling else "fcfs",
+            scheduler_cls=SCHEDULER_QUALNAME if s.priority_scheduling else None,
         )
         from prefixmesh.metrics.vllm_export import cluster_stat_loggers
 
@@ -270,7 +277,11 @@ class VllmEngine:
         )
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         # AsyncLLM aborts the request itself when this generator is closed or cancelled.
-        async for output in self._engine.generate(prompt, params, request.request_id):
+        # vLLM refuses a priority other than 0 without its priority policy.
+        priority = request.priority if self.settings.priority_scheduling else 0
+        async for output in self._engine.generate(
+            prompt, params, request.request_id, priority=priority
+        ):
             completion = output.outputs[0]
             yield EngineChunk(
                 token_ids=tuple(completion.token_ids),

@@ -42,7 +42,7 @@ PROMPT = tuple(range(3, 303))  # 300 tokens: two full blocks of 128
 
 
 def test_the_wire_format_round_trips() -> None:
-    request = EngineRequest("a", (5, 6), SamplingSettings(3, 0.5, 0.9, 7, (1,), True))
+    request = EngineRequest("a", (5, 6), SamplingSettings(3, 0.5, 0.9, 7, (1,), True), -(2**45))
     assert decode_request(encode_request(request)) == request
     hasher = make_hasher(sim_config())
     blocks = hasher.hash_tokens(PROMPT).block_hashes
