@@ -402,7 +402,9 @@ class FairShareConfig(_Section):
     enabled: bool = False
     """Past ``prefill_budget_tokens`` of admitted prompts still prefilling, requests wait at the
     replica and start by priority, then the tenant with the least service (a virtual token
-    counter), instead of in arrival order."""
+    counter), instead of in arrival order; inside the engine, prefills go in the same order (a
+    vLLM engine is started with prefixmesh's priority scheduler), and a request's ``priority``
+    takes effect only with this on."""
     prefill_budget_tokens: int = Field(default=4096, ge=1)
     """Prompt tokens (less their cached prefix) of the admitted requests not yet at their first
     token that a request must fit under to start (alone, any prompt starts): about two of the
@@ -411,9 +413,9 @@ class FairShareConfig(_Section):
     output_weight: float = Field(default=2.0, ge=0)
     """What a generated token costs a tenant's counter, a prompt token costing 1 (VTC's)."""
     idle_credit_tokens: int = Field(default=4096, ge=0)
-    """Credit a tenant returning from idle keeps against the backlogged tenants' counters (its
-    counter is lifted to theirs less this): a burst of about this many prompt tokens goes ahead
-    of a saturating tenant instead of alternating with it; 0 is VTC's strict share."""
+    """Credit a tenant returning from idle keeps against the service in progress (its counter is
+    lifted to the virtual time less this): a burst of about this many prompt tokens goes ahead
+    of a saturating tenant instead of alternating with it; 0 is strict fair share."""
 
 
 class ReplicaConfig(_Section):

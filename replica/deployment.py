@@ -115,6 +115,7 @@ def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any)
             ),
             shared_folder=str(shared) if (shared := shared_tier_folder(config)) else None,
             shared_read_bytes_per_s=(config.kvcache.shared_read_gb_per_s or 0) * 1e9 or None,
+            priority_scheduling=config.replica.fair_share.enabled,
         )
         return VllmEngine(settings, hasher, sink)
     if config.replica.engine == "remote":
@@ -266,13 +267,17 @@ class ReplicaServer:
                 waits_here()
                 held_s = await self.holds.wait(hold, key, from_router=request.hold is not None)
             trace.queued(hold, held_s)
+            engine_priority = 0  # every request equal: the engine's arrival order
             if self.fair is not None:
-                await self.fair.enter(self._fair_ticket(request), waits_here)
+                start = await self.fair.enter(self._fair_ticket(request), waits_here)
+                engine_priority = start.engine_priority
             if announced:
                 announced = False
                 self.engine.withdraw(rid)
             inflight.started(rid, key, len(request.prompt_token_ids))
-            engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling)
+            engine_request = EngineRequest(
+                rid, request.prompt_token_ids, request.sampling, engine_priority
+            )
             stream = self.engine.generate(engine_request)
             if self._coalesce:
                 stream = coalesced(stream)

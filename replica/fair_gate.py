@@ -1,17 +1,27 @@
 """The replica's fair-share gate: ``FairQueue`` in front of the engine, on the event loop.
 
 ``enter`` returns when the request may start (at once while the engine's prefill budget has
-room); ``first_token`` and ``leave`` tell the queue, which starts the next waiting requests.
-A request cancelled while it waits (client gone, timeout) leaves the queue.
+room), with the priority the engine orders it by; ``first_token`` and ``leave`` tell the queue,
+which starts the next waiting requests. A request cancelled while it waits (client gone,
+timeout) leaves the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prefixmesh.config import FairShareConfig
 from prefixmesh.replica.fair_share import FairQueue, FairTicket
+
+
+@dataclass(frozen=True, slots=True)
+class FairStart:
+    waited_s: float
+    """Seconds the request waited at the gate."""
+    engine_priority: int
+    """What the engine orders it by (``EngineRequest.priority``)."""
 
 
 class FairGate:
@@ -31,27 +41,29 @@ class FairGate:
             )
         )
 
-    async def enter(self, ticket: FairTicket, on_wait: Callable[[], None] | None = None) -> float:
-        """Wait until the request may start; returns the seconds it waited. ``on_wait`` is
-        called first when it must wait."""
+    async def enter(
+        self, ticket: FairTicket, on_wait: Callable[[], None] | None = None
+    ) -> FairStart:
+        """Wait until the request may start. ``on_wait`` is called first when it must wait."""
+        rid = ticket.request_id
         started = self.queue.arrive(ticket)
-        if ticket.request_id in started:
+        if rid in started:
             self._start(started)
-            return 0.0
+            return FairStart(0.0, self.queue.engine_priority(rid))
         if on_wait is not None:
             on_wait()
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
-        self._waiters[ticket.request_id] = waiter
+        self._waiters[rid] = waiter
         self._start(started)
         began = loop.time()
         try:
             await waiter
         except BaseException:
-            self._waiters.pop(ticket.request_id, None)
-            self.leave(ticket.request_id, 0)
+            self._waiters.pop(rid, None)
+            self.leave(rid, 0)
             raise
-        return loop.time() - began
+        return FairStart(loop.time() - began, self.queue.engine_priority(rid))
 
     def first_token(self, request_id: str) -> None:
         self._start(self.queue.first_token(request_id))

@@ -4,7 +4,8 @@ A replica lets a request into its engine when its prompt tokens, with those of t
 requests not yet at their first token, fit in ``prefill_budget_tokens`` (a prompt larger than
 the budget goes alone): about what the engine prefills in a step or two, so the engine is never
 starved and a request let in later waits behind little.
-Past the budget requests wait here, and the next one to start is chosen by:
+Past the budget requests wait here (unless the engine would serve them first: below), and the
+next one to start is chosen by:
 
 1. priority (lower first, as vLLM's ``priority``);
 2. the tenant with the least service so far: a virtual token counter per tenant (VTC,
@@ -14,11 +15,20 @@ Past the budget requests wait here, and the next one to start is chosen by:
 3. on equal counters, the tenant with fewer requests waiting;
 4. arrival order.
 
-A tenant that arrives with nothing waiting or running has its counter lifted to the least
-counter among tenants with requests waiting, less ``idle_credit_tokens``: idle time banks at
-most that much credit. Without it a light tenant's burst of two or three requests alternates
-with a saturating tenant's backlog (VTC's strict share) and its last request waits twice as
-long as alone; with it the burst goes ahead, while a tenant that never goes idle banks nothing.
+Each request that starts carries its start tag (its tenant's counter before the charge) into
+the engine with its priority, as one ``engine_priority``: the engine orders its prefills by it
+(``replica/engines/vllm_priority.py``), so a light tenant's request also passes the heavy
+prefills already in the engine (start-time fair queueing, Goyal et al., SIGCOMM '96). A request
+that would go before every prefill in progress starts past the budget too: the budget bounds
+the work that waits in the engine, and it waits behind none. So the budget can keep the
+engine's steps full without making an urgent or underserved request wait behind them.
+
+A tenant that arrives with nothing waiting or running has its counter lifted to the virtual
+time (the least start tag of the requests prefilling, or counter of the tenants waiting) less
+``idle_credit_tokens``: idle time banks at most that much credit. Without it a light tenant's
+burst of two or three requests alternates with a saturating tenant's backlog (VTC's strict
+share) and its last request waits twice as long as alone; with it the burst goes ahead, while a
+tenant that never goes idle banks nothing.
 
 Pure: no clock, no I/O. ``replica/fair_gate.py`` puts it in front of the engine.
 """
@@ -27,6 +37,17 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+
+TAG_SPAN = 2**40
+"""Start tags (tokens) an engine priority holds below one step of a request's priority: more
+than any replica serves. vLLM's priority is a 64-bit integer; ``PRIORITY_RANGE`` (about 2**20
+either way) times this fits."""
+
+
+def engine_priority(priority: int, start_tag: float) -> int:
+    """The request's priority, then its start tag, as the one integer the engine orders by
+    (lower first, as vLLM's ``priority``)."""
+    return priority * TAG_SPAN + min(max(0, int(start_tag)), TAG_SPAN - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +89,11 @@ class FairQueue:
         """Tenant -> its waiting requests, sorted by (priority, arrival)."""
         self._prefilling: dict[str, int] = {}
         """Admitted requests not yet at their first token -> their work tokens."""
+        self._start_tags: dict[str, float] = {}
+        """Admitted requests not yet at their first token -> their tenant's counter when they
+        started."""
+        self._engine_priorities: dict[str, int] = {}
+        """Admitted requests (until they end) -> what the engine orders them by."""
         self._prefill_total = 0
         self._tenant_of: dict[str, str] = {}
         """Every request here, waiting or admitted -> its tenant."""
@@ -85,9 +111,9 @@ class FairQueue:
             raise ValueError(f"request {ticket.request_id} is already here")
         tenant = ticket.tenant
         if not self._has_requests(tenant):
-            backlogged = [self.counter(t) for t in self._waiting]
-            if backlogged:
-                lifted = min(backlogged) - self._idle_credit
+            virtual_time = self._virtual_time()
+            if virtual_time is not None:
+                lifted = virtual_time - self._idle_credit
                 self._counters[tenant] = max(self.counter(tenant), lifted)
         self._tenant_of[ticket.request_id] = tenant
         self._present[tenant] = self._present.get(tenant, 0) + 1
@@ -102,6 +128,7 @@ class FairQueue:
     def first_token(self, request_id: str) -> list[str]:
         """The request's prefill is done; returns the requests that start now."""
         self._prefill_total -= self._prefilling.pop(request_id, 0)
+        self._start_tags.pop(request_id, None)
         return self._dispatch()
 
     def ended(self, request_id: str, output_tokens: int) -> list[str]:
@@ -119,6 +146,8 @@ class FairQueue:
             if not queue:
                 del self._waiting[tenant]
         self._prefill_total -= self._prefilling.pop(request_id, 0)
+        self._start_tags.pop(request_id, None)
+        self._engine_priorities.pop(request_id, None)
         self._counters[tenant] = self.counter(tenant) + output_tokens * self._output_weight
         return self._dispatch()
 
@@ -126,6 +155,10 @@ class FairQueue:
 
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, 0.0)
+
+    def engine_priority(self, request_id: str) -> int:
+        """What the engine orders a started request by (``engine_priority``)."""
+        return self._engine_priorities[request_id]
 
     @property
     def waiting(self) -> int:
@@ -138,21 +171,41 @@ class FairQueue:
     def _has_requests(self, tenant: str) -> bool:
         return tenant in self._present
 
+    def _virtual_time(self) -> float | None:
+        """Where service stands: the least start tag of the requests prefilling, or counter
+        of the tenants waiting (None when neither)."""
+        tags = [self._start_tags[r] for r in self._prefilling]
+        tags += [self.counter(t) for t in self._waiting]
+        return min(tags, default=None)
+
+    def _goes_first(self, priority: int) -> bool:
+        """Whether a request of this engine priority goes before every prefill in progress."""
+        return all(priority < self._engine_priorities[r] for r in self._prefilling)
+
     def _dispatch(self) -> list[str]:
         started: list[str] = []
         while self._waiting:
             tenant = min(self._waiting, key=self._rank)
             queue = self._waiting[tenant]
-            # The next in fair order starts when it fits (alone, a prompt past the budget);
-            # none behind it skips ahead, so a long prompt is never starved by short ones.
-            work = queue[0].ticket.work_tokens
-            if self._prefilling and self._prefill_total + work > self._budget:
+            # The next in fair order starts when it fits (alone, a prompt past the budget), or
+            # when it goes first in the engine: it then waits behind none of the prefills there,
+            # and the budget bounds what waits. None behind it skips ahead, so a long prompt is
+            # never starved by short ones.
+            head = queue[0]
+            work = head.ticket.work_tokens
+            if (
+                self._prefilling
+                and self._prefill_total + work > self._budget
+                and not self._goes_first(engine_priority(head.priority, self.counter(tenant)))
+            ):
                 break
             ticket = queue.pop(0).ticket
             if not queue:
                 del self._waiting[tenant]
             self._prefilling[ticket.request_id] = ticket.work_tokens
             self._prefill_total += ticket.work_tokens
+            tag = self._start_tags[ticket.request_id] = self.counter(tenant)
+            self._engine_priorities[ticket.request_id] = engine_priority(ticket.priority, tag)
             self._counters[tenant] = self.counter(tenant) + ticket.work_tokens
             started.append(ticket.request_id)
         return started

@@ -48,7 +48,9 @@ async def test_a_request_that_goes_straight_in_is_not_announced() -> None:
 async def test_a_request_waiting_at_the_fair_gate_is_announced_once() -> None:
     engine = _Engine()
     server, gate = _gated(engine, 100)
-    assert await gate.enter(FairTicket("busy", "other", 0, 100)) == 0.0  # fills the budget
+    # Fills the budget, as urgent as the request below (so that one waits behind it).
+    start = await gate.enter(FairTicket("busy", "other", -1, 100))
+    assert start.waited_s == 0.0
     stream = asyncio.ensure_future(_drain(server, _request()))
     await _until_waiting(gate)
     assert engine.notices == [("waiting", "cmpl-1")]  # waiting at the gate
@@ -60,7 +62,7 @@ async def test_a_request_waiting_at_the_fair_gate_is_announced_once() -> None:
 async def test_a_request_cancelled_while_held_is_withdrawn() -> None:
     engine = _Engine()
     server, gate = _gated(engine, 100)
-    await gate.enter(FairTicket("busy", "other", 0, 100))
+    await gate.enter(FairTicket("busy", "other", -1, 100))  # as urgent as the request below
     stream = asyncio.ensure_future(_drain(server, _request()))
     await _until_waiting(gate)
     stream.cancel()
