@@ -1,11 +1,16 @@
 """Fair share when a replica is saturated (issue 17, item 4): which waiting request starts next.
 
+Each request that starts carries its start tag (its tenant's counter before the charge) into
+the engine with its priority, as one ``engine_priority``: the engine serves its prefills in that
+order (``replica/engines/vllm_priority.py``; start-time fair queueing, Goyal et al., SIGCOMM
+'96), so a light tenant's request passes the heavy prefills already in the engine too.
+
 A replica lets a request into its engine when its prompt tokens, with those of the admitted
-requests not yet at their first token, fit in ``prefill_budget_tokens`` (a prompt larger than
-the budget goes alone): about what the engine prefills in a step or two, so the engine is never
-starved and a request let in later waits behind little.
-Past the budget requests wait here (unless the engine would serve them first: below), and the
-next one to start is chosen by:
+requests not yet at their first token that the engine serves before it, fit in
+``prefill_budget_tokens`` (a prompt larger than the budget goes alone): about what the engine
+prefills in a step or two. The budget bounds what a request waits behind in the engine; the
+engine's steps stay full, and an urgent or underserved request waits behind none of them.
+Past the budget requests wait here, and the next one to start is chosen by:
 
 1. priority (lower first, as vLLM's ``priority``);
 2. the tenant with the least service so far: a virtual token counter per tenant (VTC,
@@ -14,14 +19,6 @@ next one to start is chosen by:
    starts, and ``output_weight`` per generated token when it ends;
 3. on equal counters, the tenant with fewer requests waiting;
 4. arrival order.
-
-Each request that starts carries its start tag (its tenant's counter before the charge) into
-the engine with its priority, as one ``engine_priority``: the engine orders its prefills by it
-(``replica/engines/vllm_priority.py``), so a light tenant's request also passes the heavy
-prefills already in the engine (start-time fair queueing, Goyal et al., SIGCOMM '96). A request
-that would go before every prefill in progress starts past the budget too: the budget bounds
-the work that waits in the engine, and it waits behind none. So the budget can keep the
-engine's steps full without making an urgent or underserved request wait behind them.
 
 A tenant that arrives with nothing waiting or running has its counter lifted to the virtual
 time (the least start tag of the requests prefilling, or counter of the tenants waiting) less
@@ -178,26 +175,25 @@ class FairQueue:
         tags += [self.counter(t) for t in self._waiting]
         return min(tags, default=None)
 
-    def _goes_first(self, priority: int) -> bool:
-        """Whether a request of this engine priority goes before every prefill in progress."""
-        return all(priority < self._engine_priorities[r] for r in self._prefilling)
+    def _work_before(self, priority: int) -> int:
+        """Prefill tokens in progress that the engine serves before a request of this engine
+        priority (ties: the earlier arrival, the one in progress)."""
+        ranks = self._engine_priorities
+        return sum(work for r, work in self._prefilling.items() if ranks[r] <= priority)
 
     def _dispatch(self) -> list[str]:
         started: list[str] = []
         while self._waiting:
             tenant = min(self._waiting, key=self._rank)
             queue = self._waiting[tenant]
-            # The next in fair order starts when it fits (alone, a prompt past the budget), or
-            # when it goes first in the engine: it then waits behind none of the prefills there,
-            # and the budget bounds what waits. None behind it skips ahead, so a long prompt is
-            # never starved by short ones.
+            # The next in fair order starts when it fits (alone, a prompt past the budget) with
+            # the prefills the engine serves before it: the budget bounds what a request waits
+            # behind in the engine. None behind it skips ahead, so a long prompt is never
+            # starved by short ones.
             head = queue[0]
             work = head.ticket.work_tokens
-            if (
-                self._prefilling
-                and self._prefill_total + work > self._budget
-                and not self._goes_first(engine_priority(head.priority, self.counter(tenant)))
-            ):
+            priority = engine_priority(head.priority, self.counter(tenant))
+            if self._prefilling and self._work_before(priority) + work > self._budget:
                 break
             ticket = queue.pop(0).ticket
             if not queue:

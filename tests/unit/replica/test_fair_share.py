@@ -167,6 +167,20 @@ def test_the_engine_orders_by_priority_then_start_tag() -> None:
         queue.engine_priority("l0")  # gone with its request
 
 
+def test_the_budget_bounds_the_work_a_request_waits_behind_in_the_engine() -> None:
+    queue = FairQueue(prefill_budget_tokens=300, idle_credit_tokens=1_000)
+    for i in range(6):
+        queue.arrive(ticket(f"h{i}", "heavy"))  # h0-h2 start (tags 0, 100, 200)
+    assert queue.first_token("h0") == ["h3"]  # tag 300
+    # The light burst goes before the heavy prefills in the engine: l0 waits behind nothing,
+    # l1 behind l0 and h1 (its tag ties with l1's 100: the earlier first), 300 tokens with
+    # its own; l2 would wait behind 400 and stays here, though the engine holds 500 then.
+    assert [queue.arrive(ticket(f"l{i}", "light")) for i in range(3)] == [["l0"], ["l1"], []]
+    assert queue.prefill_tokens == 500
+    assert queue.first_token("h1") == []  # still l0, l1 and h2 before it
+    assert queue.first_token("l0") == ["l2"]
+
+
 def test_an_engine_priority_keeps_the_priority_first_and_fits_vllm_s_64_bits() -> None:
     assert engine_priority(0, 10**15) == TAG_SPAN - 1  # a tag past the span saturates
     assert engine_priority(1, 0) > engine_priority(0, TAG_SPAN * 2)
