@@ -31,7 +31,9 @@ from prefixmesh.loadtest.fleet import SimReplica
 from prefixmesh.loadtest.keys import KeyBuilder
 from prefixmesh.loadtest.workloads import WorkloadRequest
 from prefixmesh.replica.kvcache.policy import Clock, TierPolicy
-from prefixmesh.replica.model.engine import (
+from prefixmesh.replica.model.prefix_cache import SharedTier, to_events
+from prefixmesh.replica.model.profile import EngineProfile
+from prefixmesh.replica.model.records import (
     CacheChanged,
     EngineEvent,
     EngineRequest,
@@ -39,8 +41,6 @@ from prefixmesh.replica.model.engine import (
     HoldSpec,
     RequestRecord,
 )
-from prefixmesh.replica.model.prefix_cache import SharedTier, to_events
-from prefixmesh.replica.model.profile import EngineProfile
 from prefixmesh.router.policy.base import RouteRequest, RoutingPolicy, registry_view
 
 _DELIVER, _ENGINE, _ARRIVAL = range(3)

@@ -400,16 +400,16 @@ class FairShareConfig(_Section):
     """Fair share when a replica is saturated (``replica/fair_share.py``): off by default."""
 
     enabled: bool = False
-    """Past ``prefill_budget_tokens`` of admitted prompts still prefilling, requests wait at the
-    replica and start by priority, then the tenant with the least service (a virtual token
-    counter), instead of in arrival order; inside the engine, prefills go in the same order (a
-    vLLM engine is started with prefixmesh's priority scheduler), and a request's ``priority``
-    takes effect only with this on."""
-    prefill_budget_tokens: int = Field(default=4096, ge=1)
-    """Prompt tokens (less their cached prefix) of the admitted requests not yet at their first
-    token that a request must fit under to start (alone, any prompt starts): about two of the
-    engine's steps (vLLM's ``max_num_batched_tokens`` is 2048 on small devices), so the engine
-    is never starved; smaller lets a request that jumps the queue wait behind less."""
+    """Requests start by priority, then the tenant with the least service (a virtual token
+    counter), instead of in arrival order: at the replica past ``prefill_budget_tokens``, and
+    inside the engine (a vLLM engine is started with prefixmesh's priority scheduler). A
+    request's ``priority`` takes effect only with this on."""
+    prefill_budget_tokens: int = Field(default=8192, ge=1)
+    """Prompt tokens (less their cached prefix) still to prefill that the engine would serve
+    before a request, with its own, for it to start (alone, any prompt starts): about four of
+    the engine's steps (vLLM's ``max_num_batched_tokens`` is 2048 on small devices; scale it
+    with yours), so the engine never starves between requests. Smaller keeps a saturating
+    tenant's backlog out of the engine at the cost of its throughput (``docs/BENCHMARKS.md``)."""
     output_weight: float = Field(default=2.0, ge=0)
     """What a generated token costs a tenant's counter, a prompt token costing 1 (VTC's)."""
     idle_credit_tokens: int = Field(default=4096, ge=0)

@@ -25,9 +25,10 @@ from prefixmesh.replica.engines.base import (
     Residency,
     TokenIntervals,
 )
-from prefixmesh.replica.model.engine import CacheChanged, EngineModel, Finished, FirstToken
-from prefixmesh.replica.model.engine import EngineRequest as ModelRequest
+from prefixmesh.replica.model.engine import EngineModel
 from prefixmesh.replica.model.profile import EngineProfile
+from prefixmesh.replica.model.records import CacheChanged, Finished, FirstToken
+from prefixmesh.replica.model.records import EngineRequest as ModelRequest
 
 # Output token ids are placeholders, cycled: ordinary merged tokens of a byte-level BPE (ids
 # past the 256 byte tokens and a few special ones), which decode to text as they stream; single

@@ -6,16 +6,7 @@ simulated clock, and the real-time ``sim`` engine drives it with wall-clock ``no
 
 from __future__ import annotations
 
-from prefixmesh.replica.model.engine import (
-    CacheChanged,
-    EngineEvent,
-    EngineLoad,
-    EngineModel,
-    EngineRequest,
-    Finished,
-    FirstToken,
-    RequestRecord,
-)
+from prefixmesh.replica.model.engine import EngineModel
 from prefixmesh.replica.model.prefix_cache import CacheChange, PrefixCache, PrefixMatch, to_events
 from prefixmesh.replica.model.profile import (
     CPU_SMALL,
@@ -25,6 +16,15 @@ from prefixmesh.replica.model.profile import (
     EngineProfile,
     get_profile,
     with_cpu_tier,
+)
+from prefixmesh.replica.model.records import (
+    CacheChanged,
+    EngineEvent,
+    EngineLoad,
+    EngineRequest,
+    Finished,
+    FirstToken,
+    RequestRecord,
 )
 
 __all__ = [

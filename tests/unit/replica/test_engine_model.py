@@ -11,18 +11,18 @@ from dataclasses import replace
 import pytest
 
 from prefixmesh.cache_registry.types import BlockHash, EventKind, PrefixKey, Tier
-from prefixmesh.replica.model.engine import (
+from prefixmesh.replica.model.engine import EngineModel
+from prefixmesh.replica.model.prefix_cache import CacheChange
+from prefixmesh.replica.model.profile import EngineProfile
+from prefixmesh.replica.model.records import (
     CacheChanged,
     EngineEvent,
-    EngineModel,
     EngineRequest,
     Finished,
     FirstToken,
     HoldSpec,
     RequestRecord,
 )
-from prefixmesh.replica.model.prefix_cache import CacheChange
-from prefixmesh.replica.model.profile import EngineProfile
 
 TINY = EngineProfile(
     name="tiny",
