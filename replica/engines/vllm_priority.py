@@ -63,22 +63,23 @@ def _restore(saved: list[tuple[Request, int]]) -> None:
         request.next_decode_eligible_step = step
 
 
-class PriorityOrderedScheduler(Scheduler):
+class _InPriorityOrder:
+    """Before either of vLLM's schedulers (the next class in the MRO) plans a step."""
+
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        saved = _schedule_in_priority_order(self)
+        saved = _schedule_in_priority_order(self)  # type: ignore[arg-type]
         try:
-            return super().schedule(*args, **kwargs)
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
             _restore(saved)
 
 
-class PriorityOrderedAsyncScheduler(AsyncScheduler):
-    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        saved = _schedule_in_priority_order(self)
-        try:
-            return super().schedule(*args, **kwargs)
-        finally:
-            _restore(saved)
+class PriorityOrderedScheduler(_InPriorityOrder, Scheduler):
+    pass
+
+
+class PriorityOrderedAsyncScheduler(_InPriorityOrder, AsyncScheduler):
+    pass
 
 
 def priority_ordered_scheduler(*args: Any, **kwargs: Any) -> Scheduler:

@@ -22,7 +22,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(ensure_demo_model(tmp_path_factory.mktemp("models"), "tiny"))
 
 
-def scheduler(model: str, max_num_seqs: int = 8) -> Any:
+def scheduler(model: str, max_num_seqs: int = 8, cls: Any = None) -> Any:
+    """vLLM's choice for this config through prefixmesh's factory, or ``cls``."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -47,7 +48,7 @@ def scheduler(model: str, max_num_seqs: int = 8) -> Any:
     kv = KVCacheConfig(
         num_blocks=1_000, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
     )
-    return priority_ordered_scheduler(
+    return (cls or priority_ordered_scheduler)(
         vllm_config=config,
         kv_cache_config=kv,
         structured_output_manager=StructuredOutputManager(config),
@@ -83,6 +84,21 @@ def test_a_prefill_in_progress_yields_the_next_step_to_a_more_urgent_request(mod
     assert steps(sched, 2) == [{"urgent": 200}, {"long": STEP_TOKENS}]
     # Its step gate is restored: nothing is left skipped.
     assert sched.requests["long"].next_decode_eligible_step == 0
+
+
+def test_vllm_s_async_scheduler_yields_the_same(model: str) -> None:
+    from prefixmesh.replica.engines.vllm_priority import (
+        PriorityOrderedAsyncScheduler,
+        PriorityOrderedScheduler,
+    )
+
+    assert type(scheduler(model)) is PriorityOrderedScheduler  # vLLM turns async off on CPU
+    sched = scheduler(model, cls=PriorityOrderedAsyncScheduler)  # GPUs' default
+    sched.add_request(request("long", 1_000, priority=5, arrival=1.0))
+    steps(sched, 1)
+    sched.add_request(request("urgent", 200, priority=0, arrival=2.0))
+    # Async scheduling plans the urgent request's first decode at once, beside long's chunk.
+    assert steps(sched, 2) == [{"urgent": 200}, {"urgent": 1, "long": STEP_TOKENS - 1}]
 
 
 def test_an_equal_priority_waits_for_the_prefill_in_progress(model: str) -> None:
