@@ -7,9 +7,10 @@ order (``replica/engines/vllm_priority.py``; start-time fair queueing, Goyal et 
 
 A replica lets a request into its engine when its prompt tokens, with those of the admitted
 requests not yet at their first token that the engine serves before it, fit in
-``prefill_budget_tokens`` (a prompt larger than the budget goes alone): about what the engine
-prefills in a step or two. The budget bounds what a request waits behind in the engine; the
-engine's steps stay full, and an urgent or underserved request waits behind none of them.
+``prefill_budget_tokens`` (a prompt larger than the budget starts when the engine serves none
+before it): a few of the engine's steps. The budget bounds what a request waits behind in the
+engine; the engine's steps stay full, and an urgent or underserved request waits behind none of
+them.
 Past the budget requests wait here, and the next one to start is chosen by:
 
 1. priority (lower first, as vLLM's ``priority``);
@@ -186,14 +187,14 @@ class FairQueue:
         while self._waiting:
             tenant = min(self._waiting, key=self._rank)
             queue = self._waiting[tenant]
-            # The next in fair order starts when it fits (alone, a prompt past the budget) with
-            # the prefills the engine serves before it: the budget bounds what a request waits
-            # behind in the engine. None behind it skips ahead, so a long prompt is never
-            # starved by short ones.
+            # The next in fair order starts when it fits with the prefills the engine serves
+            # before it (with none, a prompt past the budget too): the budget bounds what a
+            # request waits behind in the engine. None behind it skips ahead, so a long prompt
+            # is never starved by short ones.
             head = queue[0]
             work = head.ticket.work_tokens
-            priority = engine_priority(head.priority, self.counter(tenant))
-            if self._prefilling and self._work_before(priority) + work > self._budget:
+            before = self._work_before(engine_priority(head.priority, self.counter(tenant)))
+            if before and before + work > self._budget:
                 break
             ticket = queue.pop(0).ticket
             if not queue:

@@ -147,9 +147,11 @@ def test_a_request_that_leaves_while_waiting_frees_its_place() -> None:
         queue.arrive(ticket("h2", "heavy"))
 
 
-def test_a_prompt_larger_than_the_budget_still_starts_when_nothing_prefills() -> None:
+def test_a_prompt_larger_than_the_budget_starts_when_the_engine_serves_none_before_it() -> None:
     queue = FairQueue(prefill_budget_tokens=100)
     assert queue.arrive(ticket("big", "t", work=10_000)) == ["big"]
+    assert queue.arrive(ticket("big2", "t", work=10_000)) == []  # behind big
+    assert queue.arrive(ticket("urgent", "u", work=10_000, priority=-1)) == ["urgent"]
 
 
 def test_the_engine_orders_by_priority_then_start_tag() -> None:
