@@ -311,13 +311,15 @@ class TierPlanner:
         if step.copy_s + copy_s > step.compute_s + tokens / self.costs.prefill_tokens_per_s:
             return False
         step.copy_s += copy_s
-        self.joins_step(compute_tokens)
+        self._count_compute(tokens)
         return True
 
     def joins_step(self, compute_tokens: int) -> None:
         """A request computes ``compute_tokens`` in the step being scheduled (with no copy of
         its own in it): more compute to hide other requests' copies under."""
-        tokens = self._within_budget(compute_tokens)
+        self._count_compute(self._within_budget(compute_tokens))
+
+    def _count_compute(self, tokens: int) -> None:
         self._step.tokens += tokens
         self._step.compute_s += tokens / self.costs.prefill_tokens_per_s
 
