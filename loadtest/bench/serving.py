@@ -70,6 +70,12 @@ class PolicyReport:
     """Requests whose lower-tier blocks loaded beside the engine's steps (connector)."""
     min_computed_tokens: int
     """What one unbounded cache over the same prompts would compute (1 - oracle hit rate)."""
+    hit_ttft_p50_s: float
+    """Requests that the usage says served at least half their prompt from cache: what a hit
+    costs on the whole path (nan when none)."""
+    miss_ttft_p50_s: float
+    """The other requests: what computing most of a prompt costs."""
+    hits: int
     requests_per_replica: dict[str, int]
     duration_s: float
 
@@ -185,6 +191,18 @@ def _counters(config: PrefixmeshConfig) -> dict[str, tuple[int, ...]]:
         time.sleep(0.25)
 
 
+def split_by_hit(outcomes: list[Outcome]) -> tuple[list[float], list[float]]:
+    """TTFTs of the answered requests that served at least half their prompt from cache, and
+    of the others."""
+    hits: list[float] = []
+    misses: list[float] = []
+    for o in outcomes:
+        if o.error or o.ttft_s is None:
+            continue
+        (hits if 2 * o.cached_tokens >= o.prompt_tokens else misses).append(o.ttft_s)
+    return hits, misses
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -222,6 +240,7 @@ def bench_policy(
         sum(after[r][i] - before.get(r, zero)[i] for r in after) for i in range(len(_COUNTED))
     )
     hits = engine_hits + tier_hits
+    hit_ttfts, miss_ttfts = split_by_hit(outcomes)
     per_replica: dict[str, int] = {}
     for o in ok:
         per_replica[o.replica] = per_replica.get(o.replica, 0) + 1
@@ -243,6 +262,9 @@ def bench_policy(
         layer_loads=layer_loads,
         async_loads=async_loads,
         min_computed_tokens=round(prompt_tokens * (1 - oracle)),
+        hit_ttft_p50_s=round(percentile(hit_ttfts, 0.5), 4),
+        miss_ttft_p50_s=round(percentile(miss_ttfts, 0.5), 4),
+        hits=len(hit_ttfts),
         requests_per_replica=dict(sorted(per_replica.items())),
         duration_s=round(duration, 2),
     )
@@ -528,13 +550,15 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"{'policy':<12} {'ttft_mean':>9} {'ttft_p50':>9} {'ttft_p99':>9} {'hit':>6} "
-        f"{'oracle':>6} {'computed':>9} {'minimum':>9} {'fail':>5} {'in_step':>7} {'beside':>6}"
+        f"{'oracle':>6} {'computed':>9} {'minimum':>9} {'fail':>5} {'in_step':>7} {'beside':>6} "
+        f"{'hit_p50':>8} {'miss_p50':>8} {'hits':>5}"
     )
     for r in reports:
         print(
             f"{r.policy:<12} {r.ttft_mean_s:>9.4f} {r.ttft_p50_s:>9.4f} {r.ttft_p99_s:>9.4f} "
             f"{r.hit_rate:>6.1%} {r.oracle_hit_rate:>6.1%} {r.computed_tokens:>9} "
-            f"{r.min_computed_tokens:>9} {r.failures:>5} {r.layer_loads:>7} {r.async_loads:>6}"
+            f"{r.min_computed_tokens:>9} {r.failures:>5} {r.layer_loads:>7} {r.async_loads:>6} "
+            f"{r.hit_ttft_p50_s:>8.4f} {r.miss_ttft_p50_s:>8.4f} {r.hits:>5}"
         )
     return 0
 

@@ -1,0 +1,18 @@
+"""serving-bench's split of TTFTs into hits and misses (by the usage's cached tokens)."""
+
+from __future__ import annotations
+
+from prefixmesh.loadtest.bench.serving import Outcome, split_by_hit
+
+
+def test_split_by_hit_sorts_answered_requests_by_the_share_their_usage_says_was_cached() -> None:
+    outcomes = [
+        Outcome(0.05, 0.1, prompt_tokens=1564, cached_tokens=1408, replica="a"),
+        Outcome(0.09, 0.2, prompt_tokens=1564, cached_tokens=782, replica="a"),  # exactly half
+        Outcome(0.15, 0.3, prompt_tokens=1564, cached_tokens=781, replica="b"),
+        Outcome(0.20, 0.3, prompt_tokens=1564, cached_tokens=0, replica="b"),
+        Outcome(None, 0.3, prompt_tokens=1564, cached_tokens=1408, replica="", error="boom"),
+    ]
+    hits, misses = split_by_hit(outcomes)
+    assert hits == [0.05, 0.09]
+    assert misses == [0.15, 0.20]
