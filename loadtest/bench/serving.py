@@ -77,6 +77,8 @@ class PolicyReport:
     """The other requests: what computing most of a prompt costs."""
     hits: int
     requests_per_replica: dict[str, int]
+    prefill_tokens_per_s: dict[str, float]
+    """Each replica's prefill rate as it reported it at the end (see ``prefill_rates_of``)."""
     duration_s: float
 
 
@@ -169,12 +171,10 @@ _COUNTED = (
 )
 
 
-def _counters(config: PrefixmeshConfig) -> dict[str, tuple[int, ...]]:
-    """Each replica's counters named in ``_COUNTED`` (queried, engine hits, lower-tier hits, in
-    prompt tokens; the connector's in-step and beside-the-batch loads, in requests), from its
-    latest report as the router holds it
-    (the front deployment's ``replica_stats``: the Router's, or the proxy path's ingress);
-    waits (60 s at most) until every replica has reported once."""
+def _replica_stats(config: PrefixmeshConfig) -> list[dict[str, Any]]:
+    """Each replica's latest report as the router holds it (the front deployment's
+    ``replica_stats``: the Router's, or the proxy path's ingress); waits (60 s at most) until
+    every replica has reported its counters once."""
     from ray import serve
 
     from prefixmesh.app import INGRESS_NAME, ROUTER_NAME
@@ -187,8 +187,25 @@ def _counters(config: PrefixmeshConfig) -> dict[str, tuple[int, ...]]:
         stats = handle.replica_stats.remote().result(timeout_s=60)
         reported = [s for s in stats if all(k in s for k in keys)]
         if len(reported) >= config.replica.num_replicas or time.monotonic() > deadline:
-            return {s["replica_id"]: tuple(s.get(k, 0) for k in _COUNTED) for s in reported}
+            return reported
         time.sleep(0.25)
+
+
+def counters_of(stats: list[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
+    """Each replica's counters named in ``_COUNTED`` (queried, engine hits, lower-tier hits, in
+    prompt tokens; the connector's in-step and beside-the-batch loads, in requests)."""
+    return {s["replica_id"]: tuple(s.get(k, 0) for k in _COUNTED) for s in stats}
+
+
+def prefill_rates_of(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """Each replica's prefill rate as it reports it (tokens/s; its start-up calibration on
+    vLLM): what the router's TTFT estimates divide a prompt's uncached tokens by."""
+    rates = {}
+    for s in stats:
+        capacity = s.get("capacity") or {}
+        if "prefill_tokens_per_s" in capacity:
+            rates[s["replica_id"]] = round(float(capacity["prefill_tokens_per_s"]), 1)
+    return dict(sorted(rates.items()))
 
 
 def split_by_hit(outcomes: list[Outcome]) -> tuple[list[float], list[float]]:
@@ -223,14 +240,15 @@ def bench_policy(
 
     serve.run(build_app(config), name=config.app_name, route_prefix="/")
     try:
-        before = _counters(config)
+        before = counters_of(_replica_stats(config))
         started = time.monotonic()
         outcomes = asyncio.run(
             play(url, config.model, workload, prompts, args.max_tokens, args.timeout_s)
         )
         duration = time.monotonic() - started
         time.sleep(2.5 * config.replica.routing_stats_period_s)  # the next stats poll
-        after = _counters(config)
+        stats = _replica_stats(config)
+        after = counters_of(stats)
     finally:
         serve.delete(config.app_name)
     ok = [o for o in outcomes if not o.error and o.ttft_s is not None]
@@ -266,6 +284,7 @@ def bench_policy(
         miss_ttft_p50_s=round(percentile(miss_ttfts, 0.5), 4),
         hits=len(hit_ttfts),
         requests_per_replica=dict(sorted(per_replica.items())),
+        prefill_tokens_per_s=prefill_rates_of(stats),
         duration_s=round(duration, 2),
     )
 
