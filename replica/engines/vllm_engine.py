@@ -28,6 +28,7 @@ from prefixmesh.replica.engines.base import (
     Residency,
     TokenIntervals,
 )
+from prefixmesh.replica.engines.calibration import CALIBRATION_RUNS, CalibrationRun, fastest
 from prefixmesh.replica.kv_events import VllmEventStream, VllmEventTranslator
 from prefixmesh.replica.kvcache.waiting_channel import NoticeSender
 
@@ -233,10 +234,12 @@ class VllmEngine:
             return [time.perf_counter() async for _ in chunks]
 
         await run("calibrate-warmup", prompt(1), 2)
-        started = time.perf_counter()
-        stamps = await run("calibrate-prefill", prompt(2), 17)
-        self._prefill_tokens_per_s = length / max(stamps[0] - started, 1e-6)
-        self._decode_step_s = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+        timings = []
+        for attempt in range(CALIBRATION_RUNS):
+            started = time.perf_counter()
+            stamps = await run(f"calibrate-prefill-{attempt}", prompt(2 + attempt), 17)
+            timings.append(CalibrationRun.of(started, stamps))
+        self._prefill_tokens_per_s, self._decode_step_s = fastest(timings, length)
         await self._engine.reset_prefix_cache()
 
     async def _consume_events(self) -> None:
