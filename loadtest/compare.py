@@ -376,7 +376,8 @@ def main(argv: list[str], prog: str = "compare") -> int:
     report = args.report.resolve()
     report.mkdir(parents=True, exist_ok=True)
     logs = report / "logs"
-    base = load_config(args.config, args.overrides)
+    # The replica servers' engine, so an unset cache.block_size is theirs (the routers' too).
+    base = load_config(args.config, [f"replica.engine={args.engine}", *args.overrides])
     replica_config = report / "replica-config.yaml"
     replica_config.write_text(yaml.safe_dump(base.model_dump(mode="json"), sort_keys=False))
     rate, oracle = (args.rate, None) if args.rate else rate_for_load(args, base)

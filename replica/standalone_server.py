@@ -384,21 +384,17 @@ def build_app(service: ReplicaService) -> FastAPI:
     return app
 
 
-def make_service(
-    config: PrefixmeshConfig, engine_kind: str, replica_id: str, rank: int = 0
-) -> ReplicaService:
-    """One replica server's service: its engine (started by the app) and the model's
-    tokenizer (the demo model's unless ``replica.model_path`` names one)."""
+def make_service(config: PrefixmeshConfig, replica_id: str, rank: int = 0) -> ReplicaService:
+    """One replica server's service: its engine (``replica.engine``, started by the app) and the
+    model's tokenizer (the demo model's unless ``replica.model_path`` names one)."""
     from transformers import AutoTokenizer
 
     from prefixmesh.replica.demo_model import resolve_model_path
     from prefixmesh.replica.deployment import make_engine
 
+    engine_kind = config.replica.engine
     if engine_kind not in ("sim", "vllm"):
-        raise ValueError(f"engine must be sim or vllm, got {engine_kind!r}")
-    config = config.model_copy(
-        update={"replica": config.replica.model_copy(update={"engine": engine_kind})}
-    )
+        raise ValueError(f"replica.engine must be sim or vllm, got {engine_kind!r}")
     model_dir = resolve_model_path(config)
     host = EngineHost(config.model, replica_id)
     host.attach(make_engine(config, model_dir, rank, host.sink))
@@ -431,6 +427,12 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def server_config(args: argparse.Namespace) -> PrefixmeshConfig:
+    """The file and ``--set`` overrides, with ``--engine`` laid over them before validation, so
+    an unset ``cache.block_size`` follows the engine the server runs."""
+    return load_config(args.config, [*args.overrides, f"replica.engine={args.engine}"])
+
+
 def main(argv: list[str], prog: str = "replica-server") -> int:
     args = parse_args(argv, prog)
     import uvicorn
@@ -438,8 +440,8 @@ def main(argv: list[str], prog: str = "replica-server") -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"{prog}: listening on {args.host}, not loopback", file=sys.stderr)
-    config = load_config(args.config, args.overrides)
-    service = make_service(config, args.engine, args.replica_id or f"r{args.port}", args.rank)
+    config = server_config(args)
+    service = make_service(config, args.replica_id or f"r{args.port}", args.rank)
     uvicorn.run(
         build_app(service),
         host=args.host,

@@ -233,7 +233,9 @@ class RemoteEngine:
         if info["fingerprint"] != ours:
             raise RuntimeError(
                 f"replica server {self.url} hashes blocks as {info['fingerprint']}, this "
-                f"cluster as {ours}: router keys would never match (align cache.* and model)"
+                f"cluster as {ours}: router keys would never match (align cache.* and model; "
+                f"an unset cache.block_size is vLLM's under replica.engine=remote: set the "
+                f"servers' there)"
             )
         self.kv_blocks = int(info["kv_blocks"])
         self._last_heard = self._clock()

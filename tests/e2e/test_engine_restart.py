@@ -113,6 +113,7 @@ def restartable(
             "replica.engine=remote",
             "replica.num_replicas=2",
             f"replica.remote.urls=[{', '.join(servers.urls)}]",
+            "cache.block_size=128",  # the sim replica servers'
             # A restart takes the server's start time (tens of seconds here): Serve must not
             # replace the replica meanwhile, or the test would see a new replica, not a reset.
             "replica.remote.unhealthy_after_s=300",

@@ -51,6 +51,7 @@ def remote(urls: list[str], *extra: str) -> tuple[str, ...]:
     return (
         "replica.engine=remote",
         "replica.num_replicas=2",
+        "cache.block_size=128",  # the sim replica servers'
         f"replica.remote.urls=[{', '.join(urls)}]",
         "replica.routing_stats_period_s=0.5",
         *extra,

@@ -5,7 +5,15 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from prefixmesh.config import PrefixmeshConfig, load_config, parse_override
+from prefixmesh.config import (
+    ENGINE_BLOCK_SIZES,
+    CacheConfig,
+    PrefixmeshConfig,
+    ReplicaConfig,
+    load_config,
+    parse_override,
+)
+from prefixmesh.replica.model.profile import get_profile
 
 
 def test_defaults_need_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -16,12 +24,12 @@ def test_defaults_need_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_file_then_overrides(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(
-        "registry:\n  backend: redis\n  lookup_deadline_ms: 3\ncache:\n  block_size: 32\n"
+        "registry:\n  backend: redis\n  lookup_deadline_ms: 3\ncache:\n  block_size: 64\n"
     )
     config = load_config(path, ["registry.lookup_deadline_ms=7", "model=other"])
     assert config.registry.backend == "redis"
     assert config.registry.lookup_deadline_ms == 7
-    assert config.cache.block_size == 32
+    assert config.cache.block_size == 64
     assert config.model == "other"
 
 
@@ -62,3 +70,31 @@ def test_several_routers_per_node_need_the_shared_registry() -> None:
         load_config(overrides=["serving.routers_per_node=2"])
     config = load_config(overrides=["serving.routers_per_node=2", "registry.backend=redis"])
     assert config.serving.routers_per_node == 2
+
+
+def test_an_unset_block_size_follows_the_engine() -> None:
+    assert load_config().cache.block_size == 32  # vLLM
+    assert load_config(overrides=["replica.engine=sim"]).cache.block_size == 128
+    remote = ["replica.engine=remote", "replica.num_replicas=1", "replica.remote.urls=[http://x]"]
+    assert load_config(overrides=remote).cache.block_size == 32
+    # Set, it is kept whatever the engine; a null in a file is unset.
+    h100 = load_config(overrides=["replica.engine=sim", "cache.block_size=16"])
+    assert h100.cache.block_size == 16
+    assert load_config(overrides=["cache.block_size=null"]).cache.block_size == 32
+    # Built from sections, too.
+    built = PrefixmeshConfig(cache=CacheConfig(hash_seed=3), replica=ReplicaConfig(engine="sim"))
+    assert (built.cache.block_size, built.cache.hash_seed) == (128, 3)
+
+
+def test_a_dumped_config_keeps_its_block_size_under_another_engine() -> None:
+    """A config handed on (process_json, compare's replica servers) carries the number it
+    resolved, so a process that changes the engine (a remote head) hashes as its replicas do."""
+    sim = load_config(overrides=["replica.engine=sim"])
+    data = sim.model_dump(mode="json")
+    data["replica"]["engine"] = "vllm"
+    assert PrefixmeshConfig.model_validate(data).cache.block_size == 128
+
+
+def test_the_sim_default_is_the_default_profiles_block_size() -> None:
+    profile = ReplicaConfig().sim.profile
+    assert ENGINE_BLOCK_SIZES["sim"] == get_profile(profile).block_size

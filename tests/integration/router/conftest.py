@@ -47,6 +47,7 @@ class Cluster:
                 f"registry.redis_url={self.server.url}",
                 f"registry.namespace={self.namespace}",
                 "ingress.num_replicas=2",  # other ingresses route too: reports are raised only
+                f"cache.block_size={BLOCK}",
                 *overrides,
             ]
         )

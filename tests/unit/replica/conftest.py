@@ -13,7 +13,7 @@ import pytest
 from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.config import PrefixmeshConfig, load_config
 
-SIM = ("replica.sim.kv_blocks=64", "replica.vllm.max_model_len=4096")
+SIM = ("replica.engine=sim", "replica.sim.kv_blocks=64", "replica.vllm.max_model_len=4096")
 
 
 async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -45,7 +45,7 @@ def live_replica_server() -> Iterator[Callable[..., LiveServer]]:
     started: list[tuple[uvicorn.Server, threading.Thread]] = []
 
     def start(*overrides: str) -> LiveServer:
-        service = make_service(sim_config(*overrides), "sim", f"r{len(started)}")
+        service = make_service(sim_config(*overrides), f"r{len(started)}")
         port = free_port()
         server = uvicorn.Server(
             uvicorn.Config(build_app(service), host="127.0.0.1", port=port, log_level="warning")

@@ -19,7 +19,13 @@ from prefixmesh.loadtest.prompts import PromptRenderer
 from prefixmesh.loadtest.report import prefix_cache_counters
 from prefixmesh.replica import standalone_server
 from prefixmesh.replica.engine_server import TTFT_BUCKETS_S
-from prefixmesh.replica.standalone_server import ReplicaService, build_app, make_service
+from prefixmesh.replica.standalone_server import (
+    ReplicaService,
+    build_app,
+    make_service,
+    parse_args,
+    server_config,
+)
 from prefixmesh.wire.word_vocabulary import Vocabulary
 from tests.fakes.serve_ingress import spy
 from tests.unit.replica.conftest import sim_config
@@ -30,7 +36,7 @@ MODEL = "demo-tiny"
 
 @pytest.fixture(scope="module")
 def service() -> ReplicaService:
-    return make_service(sim_config(), "sim", "r7")
+    return make_service(sim_config(), "r7")
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +233,7 @@ def test_the_native_engine_protocol(client: TestClient, service: ReplicaService)
 def test_api_keys_guard_the_openai_api_only(tmp_path: Path) -> None:
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-peer peers\n")
-    guarded = make_service(sim_config(f"auth.api_keys_file={keys}"), "sim", "r8")
+    guarded = make_service(sim_config(f"auth.api_keys_file={keys}"), "r8")
     with TestClient(build_app(guarded)) as client:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
         for path, method in (("/v1/completions", "POST"), ("/v1/models", "GET")):
@@ -238,3 +244,12 @@ def test_api_keys_guard_the_openai_api_only(tmp_path: Path) -> None:
         assert client.get("/v1/models", headers=authorized).status_code == 200
         for open_path in ("/health", "/metrics", "/get_server_info"):
             assert client.get(open_path).status_code == 200, open_path
+
+
+def test_the_servers_block_size_follows_its_engine_unless_set() -> None:
+    def block_size(*argv: str) -> int | None:
+        return server_config(parse_args(["--port", "1", *argv], "replica-server")).cache.block_size
+
+    assert block_size("--engine", "sim") == 128
+    assert block_size("--engine", "vllm") == 32
+    assert block_size("--engine", "sim", "--set", "cache.block_size=64") == 64

@@ -28,6 +28,7 @@ def config() -> PrefixmeshConfig:
     return load_config(
         overrides=[
             f"app_name=decide-{uuid.uuid4().hex[:8]}",
+            "cache.block_size=128",  # DOCUMENT's block count
             "routing.prefixmesh.hold_claims=false",
         ]
     )
@@ -100,6 +101,7 @@ def test_replicas_timed_a_little_apart_share_the_new_prefixes() -> None:
             cfg = load_config(
                 overrides=[
                     f"app_name=decide-{uuid.uuid4().hex[:8]}",
+                    "cache.block_size=128",
                     f"routing.capacity_noise_rel={noise_rel}",
                 ]
             )

@@ -20,7 +20,8 @@ HEAD_BLOCKS = 2  # group_tokens 256 / block_size 128
 
 
 def config(*overrides: str) -> PrefixmeshConfig:
-    return load_config(overrides=[f"app_name=claims-{uuid.uuid4().hex[:8]}", *overrides])
+    overrides = (f"app_name=claims-{uuid.uuid4().hex[:8]}", "cache.block_size=128", *overrides)
+    return load_config(overrides=overrides)
 
 
 def core_on(state: LocalRouterState, *overrides: str) -> RoutingCore:
