@@ -55,7 +55,7 @@ def test_priorities_reach_the_engine_and_yielded_prefills_keep_their_output(
 ) -> None:
     from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
 
-    cfg = load_config(None, {})
+    cfg = load_config(None, {"cache": {"block_size": BLOCK}})  # the engine's, below
     model = ensure_demo_model(Path(cfg.cache_dir).expanduser() / "models", "tiny")
     rng = random.Random(0)
     long_prompt = tuple(rng.randrange(3, 8000) for _ in range(3_000))

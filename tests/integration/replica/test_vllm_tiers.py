@@ -48,6 +48,7 @@ def config(workdir: Path) -> PrefixmeshConfig:
     return load_config(
         None,
         {
+            "cache": {"block_size": BLOCK},  # the engine's, below
             "kvcache": {
                 "policy": "lru",
                 "cpu_tier_gib": CPU_BLOCKS * PAGE_BYTES / 2**30,
@@ -191,6 +192,7 @@ def test_cpu_tier_hits_load_layer_by_layer_inside_their_step_exactly() -> None:
     cfg = load_config(
         None,
         {
+            "cache": {"block_size": BLOCK},  # the engine's, below
             "kvcache": {
                 "policy": "lru",
                 "cpu_tier_gib": (PROMPTS + 1) * PROMPT_BLOCKS * PAGE_BYTES / 2**30,
@@ -237,6 +239,7 @@ def test_a_replica_serves_a_prefix_another_computed_from_the_shared_tier_exactly
     cfg = load_config(
         None,
         {
+            "cache": {"block_size": BLOCK},  # the engine's, below
             "kvcache": {
                 "policy": "lru",
                 "shared_tier_gib": 256 * PAGE_BYTES / 2**30,
