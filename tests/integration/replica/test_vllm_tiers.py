@@ -54,7 +54,7 @@ def config(workdir: Path) -> PrefixmeshConfig:
                 "cpu_tier_gib": CPU_BLOCKS * PAGE_BYTES / 2**30,
                 "disk_tier_gib": 256 * PAGE_BYTES / 2**30,
                 "disk_dir": str(workdir / "kv"),
-            }
+            },
         },
     )
 
@@ -198,7 +198,7 @@ def test_cpu_tier_hits_load_layer_by_layer_inside_their_step_exactly() -> None:
                 "cpu_tier_gib": (PROMPTS + 1) * PROMPT_BLOCKS * PAGE_BYTES / 2**30,
                 # A stated copy rate: 16 blocks in 0.08 ms, under any compute of 120 tokens.
                 "cpu_read_gb_per_s": 50.0,
-            }
+            },
         },
     )
     model_path(cfg)
@@ -246,7 +246,7 @@ def test_a_replica_serves_a_prefix_another_computed_from_the_shared_tier_exactly
                 "shared_dir": str(workdir / "shared"),
                 "shared_read_gb_per_s": 1.0,  # faster than this machine recomputes 128 tokens
                 "shared_scan_interval_s": 0.1,
-            }
+            },
         },
     )
     model_path(cfg)
