@@ -930,12 +930,11 @@ class PrefixmeshConfig(_Section):
         if not isinstance(data, Mapping):
             return data
         cache, replica = data.get("cache"), data.get("replica")
+        engine: Any = ReplicaConfig.model_fields["engine"].default
         if isinstance(replica, ReplicaConfig):
-            engine: Any = replica.engine
+            engine = replica.engine
         elif isinstance(replica, Mapping):
-            engine = replica.get("engine", ReplicaConfig.model_fields["engine"].default)
-        else:
-            engine = ReplicaConfig.model_fields["engine"].default
+            engine = replica.get("engine", engine)
         size = ENGINE_BLOCK_SIZES.get(engine) if isinstance(engine, str) else None
         if size is None:  # an unknown engine: the field's own validation says so
             return data
