@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.config import load_config
+from prefixmesh.config import ENGINE_BLOCK_SIZES, load_config
 
 QUESTION_TOKENS = 32
 VARIANTS = ("none", "cpu", "cpu-beside", "disk")
@@ -73,7 +73,12 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default="none,cpu,disk")
     p.add_argument("--policy", default="lru", help="kvcache.policy of the connector")
-    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=ENGINE_BLOCK_SIZES["vllm"],
+        help="tokens per KV block (default: vLLM's, as the replicas run it)",
+    )
     p.add_argument(
         "--cpu-cores",
         default=None,
