@@ -221,7 +221,8 @@ class ClusterSim:
         group_rate = registry.rate(group) if group is not None else 0.0
         decision = policy.route(route_request, snapshots, registry_view(hits, group_rate), now)
         replica = self._by_id[decision.chosen]
-        self._speculate(key, replica.replica_id, hits.get(replica.replica_id))
+        ttl_s = decision.speculative_ttl_s(self.config.speculative_ttl_s)
+        self._speculate(key, replica.replica_id, hits.get(replica.replica_id), ttl_s)
         if group is not None:
             registry.touch(group, policy.traffic_weight(route_request))
         policy.on_routed(route_request, replica.replica_id, now)
@@ -247,7 +248,9 @@ class ClusterSim:
         )
         self._reschedule(replica)
 
-    def _speculate(self, key: PrefixKey, replica_id: ReplicaId, hit: PrefixHit | None) -> None:
+    def _speculate(
+        self, key: PrefixKey, replica_id: ReplicaId, hit: PrefixHit | None, ttl_s: float
+    ) -> None:
         """Speculative entries for the blocks the replica is not known to hold for sure.
 
         When the view showed its leading blocks confirmed (no speculative part), only the blocks
@@ -260,7 +263,7 @@ class ClusterSim:
             self.registry.add_speculative(
                 PrefixKey(hashes[confirmed:], key.block_size),
                 replica_id,
-                self.config.speculative_ttl_s,
+                ttl_s,
             )
 
     def _finish_key(self, request: WorkloadRequest, key: PrefixKey) -> PrefixKey | None:

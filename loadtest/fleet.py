@@ -32,6 +32,7 @@ def capacity(profile: EngineProfile, tp_degree: int = 1) -> ReplicaCapacity:
         tp_degree=tp_degree,
         cpu_load_s_per_block=profile.cpu_load_s_per_block / speedup if profile.cpu_blocks else 0.0,
         shared_load_s_per_block=profile.shared_load_s_per_block / speedup,
+        attn_s_per_token_pair=profile.attn_s_per_token_ctx / speedup,
     )
 
 

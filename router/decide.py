@@ -298,7 +298,7 @@ class RoutingCore:
             return hit
         self.policy.on_routed(route, chosen, time.monotonic())
         registry = self.start_registry()
-        ttl_s = self.config.registry.speculative_ttl_s
+        ttl_s = decision.speculative_ttl_s(self.config.registry.speculative_ttl_s)
         speculative = asyncio.ensure_future(registry.add_speculative(route.key, chosen, ttl_s))
         # A claimed prefix: siblings that come after the claim is released must find it here,
         # so the entry is written before the request leaves (bounded; a late write still

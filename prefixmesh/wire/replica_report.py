@@ -41,6 +41,12 @@ class ReplicaCapacity:
     """Step time added per KV block its running requests hold: decode attention reads every
     one of them each step (KV bytes per block / memory bandwidth). 0 when unknown: then a busy
     replica's decode steps are estimated from its running requests' compute alone."""
+    attn_s_per_token_pair: float = 0.0
+    """Prefill attention's compute per (query token, context token) pair. Computing a prompt's
+    last u of P tokens attends to u * (P - u / 2) pairs, of which ``prefill_tokens_per_s``
+    (budget-sized chunks at zero context) already counts u * max_batch_tokens / 2; the rest
+    matters on long prompts (a 191k-token prompt takes ~4x its linear estimate on an H100).
+    0 when unknown: a prefill is then estimated linear in its tokens."""
 
     def to_wire(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -63,6 +69,7 @@ class ReplicaCapacity:
                 disk_load_s_per_block=_finite(raw.get("disk_load_s_per_block", 0.0)),
                 shared_load_s_per_block=_finite(raw.get("shared_load_s_per_block", 0.0)),
                 kv_read_s_per_block=_finite(raw.get("kv_read_s_per_block", 0.0)),
+                attn_s_per_token_pair=_finite(raw.get("attn_s_per_token_pair", 0.0)),
             )
         except (KeyError, TypeError, ValueError, OverflowError):
             return None

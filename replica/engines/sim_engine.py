@@ -190,6 +190,7 @@ class SimEngine:
             "kv_blocks": self.kv_blocks,
             "tp_degree": tp,
             "cpu_load_s_per_block": profile.cpu_load_s_per_block * scale,
+            "attn_s_per_token_pair": profile.attn_s_per_token_ctx / profile.tp_speedup(tp) * scale,
         }
 
     def busy_s(self) -> float:

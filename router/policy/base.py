@@ -8,6 +8,7 @@ Time arrives as ``now_s``; randomness comes from the ``random.Random`` the polic
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -96,10 +97,23 @@ class RouteDecision:
     """Applies to ``chosen`` only: an adapter that falls back to a later replica drops it."""
     reason: str = ""
     """A short label for metrics and traces: "affinity", "least_ttft", "overload", ..."""
+    expected_ttft_s: float | None = None
+    """The policy's estimate of the time until ``chosen`` sends the first token, which is when
+    it holds the prompt's blocks (None: no estimate). The routing-time registry entries live
+    this much longer than ``registry.speculative_ttl_s``, so that siblings of a long prefill
+    still find it in flight."""
 
     @property
     def chosen(self) -> ReplicaId:
         return self.ranked[0][0]
+
+    def speculative_ttl_s(self, base_s: float) -> float:
+        """How long the routing-time registry entries for this decision live: ``base_s`` (the
+        replica's events' lag) past the expected first token."""
+        expected = self.expected_ttft_s
+        if expected is not None and 0 < expected < math.inf:
+            return base_s + expected
+        return base_s
 
 
 class RoutingPolicy(Protocol):

@@ -52,7 +52,7 @@ from prefixmesh.router.policy.base import (
 from prefixmesh.router.policy.decode_cost import DecodeCost
 from prefixmesh.router.policy.load import require_replicas
 from prefixmesh.router.policy.ring import ReplicaRing
-from prefixmesh.router.policy.ttft import CandidateEstimates, TtftModel
+from prefixmesh.router.policy.ttft import CandidateEstimates, TtftModel, attention_s
 
 _REFERENCE_REFRESH = 64
 """Decisions between refreshes of the fleet's average replica (``traffic_weight``'s unit):
@@ -231,17 +231,20 @@ class PrefixmeshPolicy:
         held = None
         if estimates.any_speculative and config.holds_enabled:
             held = self._hold_candidate(request, replicas, estimates, near_bound, now_s)
+        ready_s = 0.0
         if held is not None:
             # The hold binds to the chosen replica only; the other candidates stay in the
             # ranking as plain fallbacks should the adapter be unable to send it there.
-            (chosen, hold), reason = held, "hold"
+            (chosen, hold, ready_s), reason = held, "hold"
         else:
             hold = None
             chosen = self._pick_near_best(replicas, order, cost, near_bound)
         uncached = self._uncached(request, replicas[chosen], view)
-        self._note(request, replicas[chosen], waits[chosen], uncached, hold is None, now_s)
+        ttft_s = self._note(request, replicas[chosen], waits[chosen], uncached, hold is None, now_s)
         self._last_decision = (request.request_id, uncached)
-        return RouteDecision(self._ranking(replicas, order, chosen), hold, reason)
+        ranked = self._ranking(replicas, order, chosen)
+        # A held request's first token comes no sooner than the blocks it waits for.
+        return RouteDecision(ranked, hold, reason, ttft_s if ttft_s > ready_s else ready_s)
 
     def _ranking(
         self, replicas: Sequence[ReplicaSnapshot], order: list[int], chosen: int
@@ -409,12 +412,12 @@ class PrefixmeshPolicy:
         uncached: int,
         computes: bool,
         now_s: float,
-    ) -> None:
+    ) -> float:
         """Record what the decision expects of the chosen replica: when the request's first
         token should come (the decode-cost sample, ``DecodeCost``) and, if it computes at least
         ``hold_min_tokens`` of its prompt there, that the replica is computing it until then:
         the in-flight mark a later sibling's hold is priced by (Strata's transient node, at
-        the router)."""
+        the router). Returns that time to the first token."""
         # Comparisons instead of max(): this runs once per decision, on the hot path.
         capacity = snapshot.capacity
         rate = capacity.prefill_tokens_per_s
@@ -435,6 +438,8 @@ class PrefixmeshPolicy:
         steps = uncached / chunk
         # The step model's own prefill (ttft.py): one step, or chunk-sized ones.
         ttft_s = wait_s + uncached * token_s + decode_step_s * (steps if steps > 1.0 else 1.0)
+        if capacity.attn_s_per_token_pair > 0:
+            ttft_s += attention_s(capacity, request.prompt_tokens, uncached)
         if self.decode_cost is not None:
             self.decode_cost.routed(
                 request.request_id,
@@ -445,15 +450,16 @@ class PrefixmeshPolicy:
                 request.output_tokens,
             )
         if not computes or uncached < max(self.config.hold_min_tokens, 1):
-            return
+            return ttft_s
         if not self._memory_size or not ttft_s < math.inf:
-            return
+            return ttft_s
         memory = self._in_flight.get(snapshot.replica_id)
         if memory is None:
             memory = self._in_flight[snapshot.replica_id] = deque(maxlen=self._memory_size)
         hashes = request.key.block_hashes
         first_block = max(0, len(hashes) - -(-uncached // self._block_size))
         memory.append((hashes, first_block, now_s + ttft_s))
+        return ttft_s
 
     def _ready_in(
         self, replica: ReplicaId, hashes: tuple[BlockHash, ...], blocks: int, now_s: float
@@ -477,8 +483,9 @@ class PrefixmeshPolicy:
         estimates: CandidateEstimates,
         near_bound: float,
         now_s: float,
-    ) -> tuple[int, Hold] | None:
-        """The replica computing the longest in-flight stretch of the prompt, if worth a hold.
+    ) -> tuple[int, Hold, float] | None:
+        """The replica computing the longest in-flight stretch of the prompt, if worth a hold,
+        with the hold and the seconds until the blocks it waits for should land.
 
         A held request waits for the blocks, then joins at the head of that replica's queue:
         its TTFT is the time until they land plus one step for the rest of its prompt, whatever
@@ -506,7 +513,10 @@ class PrefixmeshPolicy:
                 continue
             in_flight_blocks = min(hit.num_speculative, blocks)
             per_token_s = self.model.per_token_s(replicas[index])
-            in_flight_s = in_flight_blocks * block_size * per_token_s
+            in_flight_tokens = in_flight_blocks * block_size
+            in_flight_s = in_flight_tokens * per_token_s + attention_s(
+                replicas[index].capacity, blocks * block_size, in_flight_tokens
+            )
             wait = waits[index]
             ready = self._ready_in(replicas[index].replica_id, hashes, blocks, now_s)
             if ready is None or not ready < wait:
@@ -532,7 +542,7 @@ class PrefixmeshPolicy:
         # nothing when all goes well; it only caps the damage of a computing request that
         # failed or fell behind.
         hold = Hold(num_blocks=blocks, max_wait_s=self.config.hold_wait_factor * expected_s)
-        return index, hold
+        return index, hold, expected_s
 
     def _pick_near_best(
         self,

@@ -27,7 +27,9 @@ token, longer on a replica busy decoding.
   boundary) + the prefill already routed there (``pending_prefill_tokens``) at the effective
   time per token;
 - own prefill = its uncached tokens at the effective time per token, but never less than the
-  one step that carries them: decode step + uncached / peak;
+  one step that carries them: decode step + uncached / peak; plus, on a long prompt, the
+  attention the peak rate does not count (``attention_s``, when the replica reports
+  ``attn_s_per_token_pair``: the last u of P tokens attend to u * (P - u/2) pairs);
 - lower tiers: a block held in CPU memory or on disk costs its load time
   (``cpu_load_s_per_block``, ``disk_load_s_per_block``); when the replica reports none (0), the
   hit is credited instead, as Dynamo does: a CPU block saves 0.75 of its prefill, a disk block
@@ -97,6 +99,17 @@ def step_times(
     )
     chunk = max(budget - running_requests, min_prefill_share * budget)
     return StepTimes(token_s, decode_step_s, chunk, token_s + decode_step_s / chunk)
+
+
+def attention_s(capacity: ReplicaCapacity, prompt_tokens: int, uncached: int) -> float:
+    """Prefill attention beyond the linear rate: computing the last ``uncached`` (u) of
+    ``prompt_tokens`` (P) attends to u * (P - u / 2) query-key pairs, of which the prefill rate
+    (budget-sized chunks at zero context) already counts u * max_batch_tokens / 2."""
+    per_pair = capacity.attn_s_per_token_pair
+    if per_pair <= 0 or uncached <= 0:
+        return 0.0
+    pairs = uncached * (prompt_tokens - 0.5 * uncached - 0.5 * capacity.max_batch_tokens)
+    return pairs * per_pair if pairs > 0 else 0.0
 
 
 Holder = tuple[int, PrefixHit, int]
@@ -280,7 +293,8 @@ class TtftModel:
             request, capacity, self.uncached(request, saved), shared_blocks
         )
         load_s += shared_load_s
-        prefill_s = max(
+        attention = attention_s(capacity, request.prompt_tokens, uncached)
+        prefill_s = attention + max(
             uncached * steps.prefill_s_per_token, steps.decode_step_s + uncached * steps.token_s
         )
         queued = max(snapshot.queued_requests, 0)
@@ -292,7 +306,7 @@ class TtftModel:
             prefill_s=prefill_s,
             load_s=load_s,
             ttft_s=wait + prefill_s + load_s,
-            work_s=uncached * steps.token_s,
+            work_s=uncached * steps.token_s + attention,
             waiting_requests=waiting,
             delay_s=min(uncached, steps.prefill_chunk_tokens) * steps.token_s,
         )
@@ -414,6 +428,11 @@ class TtftModel:
         ]
         if load_at is not None:
             costs = [cost + load for cost, load in zip(costs, load_at, strict=True)]
+        if terms.any_attention:  # long prompts: attention adds to both the TTFT and the work
+            for index, snapshot in enumerate(terms.snapshots):
+                extra = attention_s(snapshot.capacity, prompt, uncached_at[index])
+                if extra:
+                    costs[index] += priced * extra
         least_backlog_s = min(terms.backlogs) if count else 0.0
         return CandidateEstimates(
             list(terms.waits), costs, least_backlog_s, holders, any_speculative
@@ -434,6 +453,7 @@ class _ReplicaTerms:
     """The request-independent part of every candidate's estimate, kept per snapshot object."""
 
     __slots__ = (
+        "any_attention",
         "backlogs",
         "cost_terms",
         "ext",
@@ -456,6 +476,9 @@ class _ReplicaTerms:
         self.position: dict[ReplicaId, int] = {}
         self.fleet_version = 0
         """Bumped whenever the candidates' ids or their order change."""
+        self.any_attention = False
+        """Some candidate reports an attention cost (``attention_s``), or did since the fleet
+        last changed."""
 
     def update(self, replicas: Sequence[ReplicaSnapshot], running_cost: float) -> _ReplicaTerms:
         known = self.snapshots
@@ -479,6 +502,7 @@ class _ReplicaTerms:
         self.waits = [0.0] * count
         self.backlogs = [0.0] * count
         self.position = {s.replica_id: i for i, s in enumerate(self.snapshots)}
+        self.any_attention = False  # stays True once any snapshot since has reported one
         self._fill(range(count))
         return self
 
@@ -528,6 +552,8 @@ class _ReplicaTerms:
             )
             waits[index] = wait
             backlogs[index] = backlog_s
+            if capacity.attn_s_per_token_pair > 0:
+                self.any_attention = True
 
 
 _NO_TERMS: CostTerms = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)

@@ -9,7 +9,9 @@ import pytest
 
 from prefixmesh.wire import ReplicaCapacity, ReplicaCounters, ReplicaReport
 
-CAPACITY = ReplicaCapacity(10_000.0, 0.02, 2048, 1000, 2, cpu_load_s_per_block=0.001)
+CAPACITY = ReplicaCapacity(
+    10_000.0, 0.02, 2048, 1000, 2, cpu_load_s_per_block=0.001, attn_s_per_token_pair=1e-9
+)
 REPORT = ReplicaReport(
     queued_requests=2,
     running_requests=3,

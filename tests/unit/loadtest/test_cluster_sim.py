@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Hashable, Sequence
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from prefixmesh.cache_registry.types import SHARED_TIER, BlockHash
+from prefixmesh.config import RoutingConfig
 from prefixmesh.loadtest.cluster_sim import ClusterSim, SimConfig, SimResult
 from prefixmesh.loadtest.keys import KeyBuilder, Segment
 from prefixmesh.loadtest.metrics import compute_metrics
@@ -26,6 +28,7 @@ from prefixmesh.loadtest.workloads import (
 )
 from prefixmesh.replica.kvcache.policy import Clock, LRUPolicy, TierPolicy
 from prefixmesh.replica.model.profile import H100_LLAMA8B, with_cpu_tier, with_shared_tier
+from prefixmesh.router.policy import make_policy
 from prefixmesh.router.policy.base import registry_view
 from tests.unit.loadtest.policies import LongestHit, RoundRobin
 
@@ -213,3 +216,27 @@ def test_a_shared_tier_serves_one_replicas_prefix_to_another() -> None:
     assert hits[SHARED_TIER].num_blocks == 4
     assert registry_view(hits).shared_blocks == 4
     assert SHARED_TIER not in registry_view(hits).hits
+
+
+def test_siblings_of_a_long_prefill_wait_for_it_past_the_entries_base_lifetime() -> None:
+    # Regression (the Mooncake trace, 2026-11-29): a 191k-token prompt prefills in 32 s on an
+    # H100, three quarters of it attention; the router estimated it linear (9 s) and its
+    # routing-time registry entries lived 2 s, so the siblings that came meanwhile recomputed
+    # the whole prompt elsewhere, 32 s each, instead of waiting for it.
+    long = Segment(1, 120_000)
+    requests = [
+        make_request(name, arrival_s, (long, Segment(question, 64)), 2)
+        for name, arrival_s, question in (("first", 0.0, 2), ("second", 5.0, 3), ("third", 10.0, 4))
+    ]
+    config = SimConfig.uniform(H100_LLAMA8B, 2, registry_lag_s=0.05)
+    policy = make_policy(
+        "prefixmesh", RoutingConfig(), rng=random.Random(0), block_size=H100_LLAMA8B.block_size
+    )
+    outcomes = {o.record.request_id: o for o in ClusterSim(config, policy).run(requests).outcomes}
+    first = outcomes["first"]
+    # The siblings come after the entries' base lifetime and before the prompt is computed.
+    assert first.record.first_token_s > 10.0 + config.speculative_ttl_s
+    for name in ("second", "third"):
+        sibling = outcomes[name]
+        assert sibling.held and sibling.replica == first.replica
+        assert sibling.record.cached_tokens == 120_000

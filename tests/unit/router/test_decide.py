@@ -115,3 +115,23 @@ def test_replicas_timed_a_little_apart_share_the_new_prefixes() -> None:
 
     assert first_choices(0.0) == {faster}
     assert first_choices(0.25) == {slower, faster}
+
+
+async def test_a_long_prefills_speculative_entry_outlives_the_base_lifetime() -> None:
+    # Replicas at 100 prefill tokens/s: the 770-token prompt's first token is ~8 s away, so
+    # its entry must still cover a sibling after the 2 s of registry.speculative_ttl_s.
+    cfg = config()
+    now = [100.0]
+    state = make_memory_state(cfg)
+    state.clock = lambda: now[0]
+    core = RoutingCore(cfg, LocalRouterState(state))
+    slow = ReplicaCapacity(100.0, 0.01, 2048, 1000)
+    candidates = [Candidate(r, ReplicaReport(capacity=slow)) for r in REPLICAS]
+    first = await core.decide(request(cfg, 1), candidates)
+    await core.settle()
+    key = make_hasher(cfg).hash_tokens(DOCUMENT)
+    now[0] += 2 * cfg.registry.speculative_ttl_s
+    hit = state.lookup(key, REPLICAS)[first.chosen]
+    assert hit.num_blocks == hit.num_speculative == 6
+    now[0] += 10.0
+    assert state.lookup(key, REPLICAS) == {}

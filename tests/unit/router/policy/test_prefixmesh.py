@@ -10,6 +10,7 @@ from prefixmesh.router.policy.base import (
     Hold,
     RegistryView,
     ReplicaCapacity,
+    RouteDecision,
     RouteRequest,
     registry_view,
 )
@@ -130,6 +131,8 @@ def test_siblings_of_an_in_flight_prefix_are_held_on_its_replica_with_a_bounded_
     # is hold_wait_factor 2 times that.
     queue_s = 0.5 * 0.01 + 32 * 0.0011
     assert decision.hold == Hold(num_blocks=8, max_wait_s=pytest.approx(2 * queue_s))
+    # Its first token comes no sooner than the blocks it waits for.
+    assert decision.expected_ttft_s is not None and decision.expected_ttft_s >= queue_s
     # Without holds the estimate sends it to b all the same, without waiting.
     unheld = prefixmesh(holds_enabled=False).route(request(*range(10)), replicas, hits, 0.0)
     assert (str(unheld.chosen), unheld.hold) == ("b", None)
@@ -144,6 +147,18 @@ def test_siblings_of_an_in_flight_prefix_are_held_on_its_replica_with_a_bounded_
     overloaded = [snap("a"), snap("b", pending=2000), snap("c")]
     decision = prefixmesh().route(request(*range(10)), overloaded, hits, 0.0)
     assert decision.hold is None and str(decision.chosen) != "b"
+
+
+def test_a_decision_says_when_its_first_token_should_come_attention_included() -> None:
+    # 1,000 tokens on an idle replica: 10 steps of 100 tokens (1.0 s) + 10 ms each, and the
+    # attention its rate does not count, 1,000 x (1,000 - 500 - 50) pairs at 1 us.
+    capacity = ReplicaCapacity(1000.0, 0.01, 100, 1000, attn_s_per_token_pair=1e-6)
+    decision = prefixmesh().route(request(*range(250)), [snap("a", capacity=capacity)], view(), 0)
+    assert decision.expected_ttft_s == pytest.approx(1.1 + 0.45)
+    # Its routing-time registry entries live that much longer than the base lifetime.
+    assert decision.speculative_ttl_s(2.0) == pytest.approx(2.0 + 1.55)
+    for unknown in (None, float("inf"), float("nan")):
+        assert RouteDecision(decision.ranked, expected_ttft_s=unknown).speculative_ttl_s(2.0) == 2.0
 
 
 def test_an_overloaded_holder_loses_only_its_own_excess_traffic() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.router.policy.base import ReplicaCapacity
-from prefixmesh.router.policy.ttft import TtftModel, step_times
+from prefixmesh.router.policy.ttft import TtftModel, attention_s, step_times
 from tests.unit.router.policy.builders import CAPACITY, hit, request, snap
 
 
@@ -54,6 +54,20 @@ def test_ttft_is_queue_plus_uncached_prefill_plus_lower_tier_loads() -> None:
     assert long_prompt.prefill_s == pytest.approx(400 * per_token)
 
 
+def test_a_long_prompt_adds_the_attention_its_prefill_rate_does_not_count() -> None:
+    # 1 us per query-key pair; the rate's 100-token chunks at zero context count 50 a token.
+    capacity = ReplicaCapacity(1000.0, 0.01, 100, 1000, attn_s_per_token_pair=1e-6)
+    # The last 300 of 1,000 tokens attend to 300 x (1000 - 150) pairs, 300 x 50 of them counted.
+    assert attention_s(capacity, 1000, 300) == pytest.approx(300 * 800 * 1e-6)
+    assert attention_s(capacity, 80, 80) == 0.0  # within one chunk: the rate counts it all
+    assert attention_s(CAPACITY, 1000, 300) == 0.0  # not reported: linear
+    linear = model().explain(request(*range(250)), snap("a"), None)  # 1,000 tokens
+    quadratic = model().explain(request(*range(250)), snap("a", capacity=capacity), None)
+    extra = 1000 * (500 - 50) * 1e-6
+    assert quadratic.prefill_s == pytest.approx(linear.prefill_s + extra)
+    assert quadratic.work_s == pytest.approx(linear.work_s + extra)
+
+
 def test_waits_on_idle_and_decoding_replicas() -> None:
     assert model().explain(request(1), snap("a"), None).queue_wait_s == 0.0
     decoding = model().explain(request(1), snap("a", running=20), None)
@@ -88,6 +102,7 @@ def test_bulk_estimate_matches_the_term_by_term_one() -> None:
                 cpu_load_s_per_block=rng.choice([0.0, 0.002]),
                 shared_load_s_per_block=rng.choice([0.0, 0.0005, 0.5]),
                 kv_read_s_per_block=rng.choice([0.0, 1e-5]),
+                attn_s_per_token_pair=rng.choice([0.0, 0.0, 1e-6]),
             )
             for _ in range(6)
         ]
