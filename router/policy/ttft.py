@@ -428,11 +428,14 @@ class TtftModel:
         ]
         if load_at is not None:
             costs = [cost + load for cost, load in zip(costs, load_at, strict=True)]
-        if terms.any_attention:  # long prompts: attention adds to both the TTFT and the work
-            for index, snapshot in enumerate(terms.snapshots):
-                extra = attention_s(snapshot.capacity, prompt, uncached_at[index])
-                if extra:
-                    costs[index] += priced * extra
+        if prompt > terms.attention_above:  # attention adds to both the TTFT and the work
+            # ``attention_s``, inlined: (per pair, half the budget) per replica.
+            for index, (per_pair, half_budget) in enumerate(terms.attention):
+                if per_pair > 0:
+                    u = uncached_at[index]
+                    pairs = u * (prompt - 0.5 * u - half_budget)
+                    if pairs > 0:
+                        costs[index] += priced * per_pair * pairs
         least_backlog_s = min(terms.backlogs) if count else 0.0
         return CandidateEstimates(
             list(terms.waits), costs, least_backlog_s, holders, any_speculative
@@ -453,7 +456,8 @@ class _ReplicaTerms:
     """The request-independent part of every candidate's estimate, kept per snapshot object."""
 
     __slots__ = (
-        "any_attention",
+        "attention",
+        "attention_above",
         "backlogs",
         "cost_terms",
         "ext",
@@ -476,9 +480,12 @@ class _ReplicaTerms:
         self.position: dict[ReplicaId, int] = {}
         self.fleet_version = 0
         """Bumped whenever the candidates' ids or their order change."""
-        self.any_attention = False
-        """Some candidate reports an attention cost (``attention_s``), or did since the fleet
-        last changed."""
+        self.attention: list[tuple[float, float]] = []
+        """Per replica: its attention cost per pair and half its step budget (``attention_s``)."""
+        self.attention_above = math.inf
+        """Only prompts longer than this can cost attention anywhere (the least half budget of
+        a replica that reports an attention cost; inf: none does), so short prompts skip it.
+        Never raised until the fleet changes."""
 
     def update(self, replicas: Sequence[ReplicaSnapshot], running_cost: float) -> _ReplicaTerms:
         known = self.snapshots
@@ -501,8 +508,9 @@ class _ReplicaTerms:
         self.cost_terms = [_NO_TERMS] * count
         self.waits = [0.0] * count
         self.backlogs = [0.0] * count
+        self.attention = [(0.0, 0.0)] * count
         self.position = {s.replica_id: i for i, s in enumerate(self.snapshots)}
-        self.any_attention = False  # stays True once any snapshot since has reported one
+        self.attention_above = math.inf
         self._fill(range(count))
         return self
 
@@ -511,6 +519,7 @@ class _ReplicaTerms:
         runs for every replica when the fleet changes, so no call per replica)."""
         snapshots = self.snapshots
         cost_terms, waits, backlogs = self.cost_terms, self.waits, self.backlogs
+        attention = self.attention
         min_share, ext, running_cost = self.min_share, self.ext, self.running_cost
         for index in indices:
             snapshot = snapshots[index]
@@ -552,8 +561,10 @@ class _ReplicaTerms:
             )
             waits[index] = wait
             backlogs[index] = backlog_s
-            if capacity.attn_s_per_token_pair > 0:
-                self.any_attention = True
+            per_pair = capacity.attn_s_per_token_pair
+            attention[index] = (per_pair, 0.5 * budget)
+            if per_pair > 0 and 0.5 * budget < self.attention_above:
+                self.attention_above = 0.5 * budget
 
 
 _NO_TERMS: CostTerms = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
