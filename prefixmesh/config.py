@@ -108,11 +108,11 @@ class RegistryConfig(_Section):
     max_holders_per_block: int = Field(default=64, ge=1)
     """Most replicas recorded per block; the longest-standing holder makes room for a new one."""
     speculative_ttl_s: float = Field(default=2.0, gt=0)
-    """Lifetime of a routing-time entry past the first token the policy expects there
-    (``RouteDecision.expected_ttft_s``; from the decision on when the policy gives none), as
-    llm-d's 2 s and Dynamo's 5 s: long enough for the replica's own events to arrive, short
-    enough not to mislead after a failed request. A fixed lifetime alone ends before a long
-    prompt is computed, and its siblings would compute it again."""
+    """Lifetime of a routing-time entry after the first token the policy expects there
+    (``RouteDecision.expected_ttft_s``; after the decision when the policy gives no estimate),
+    like llm-d's 2 s and Dynamo's 5 s: long enough for the replica's own events to arrive,
+    short enough not to mislead after a failed request. Counted from the decision alone, it
+    would end before a long prompt is computed, and its siblings would compute it again."""
     hotness_half_life_s: float = Field(default=30.0, gt=0)
     """Half-life of the decayed traffic counters behind affinity groups."""
     heartbeat_interval_s: float = Field(default=1.0, gt=0)
