@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
@@ -87,10 +87,11 @@ class RegistryState:
         self.blocks: dict[BlockHash, BlockEntry] = {}
         self.replica_blocks: dict[ReplicaId, set[BlockHash]] = {}
         """Blocks each replica holds confirmed (what drop, clear and reset walk)."""
-        self.replica_speculative: dict[ReplicaId, deque[tuple[float, tuple[BlockHash, ...]]]] = {}
-        """Each replica's speculative writes in the order written (expiry, blocks): expiring
-        them pops from the front instead of scanning. An entry already forgotten (confirmed,
-        removed, written again later) is skipped when its write comes up."""
+        self.replica_speculative: dict[ReplicaId, list[tuple[float, tuple[BlockHash, ...]]]] = {}
+        """Each replica's speculative writes as a heap by expiry (expiry, blocks), as Redis's
+        sorted set: expiring them pops the earliest instead of scanning, whatever each write's
+        lifetime. An entry already forgotten (confirmed, removed, written again later) is
+        skipped when its write comes up."""
         self.sequences: dict[ReplicaId, SequenceState] = {}
         self.dropped: dict[ReplicaId, float] = {}
         """Replicas dropped recently, until when (see DROPPED_REPLICA_MEMORY_S)."""
@@ -253,9 +254,9 @@ class RegistryState:
                 return  # a late guess about a replica dropped since
             del self.dropped[replica]
         index = self.replicas.assign(replica)
-        queue = self.replica_speculative.setdefault(replica, deque())
+        queue = self.replica_speculative.setdefault(replica, [])
         while queue and queue[0][0] <= now:
-            expiry, written = queue.popleft()
+            expiry, written = heapq.heappop(queue)
             self._forget_speculative(written, index, expiry)
         expiry = now + ttl_s
         hashes = key.block_hashes
@@ -265,7 +266,7 @@ class RegistryState:
             if entry is None:
                 entry = blocks[block] = BlockEntry()
             entry.speculative[index] = expiry
-        queue.append((expiry, hashes))
+        heapq.heappush(queue, (expiry, hashes))
 
     def _forget_speculative(
         self, blocks: Iterable[BlockHash], index: int, expiry: float | None = None
