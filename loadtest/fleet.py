@@ -42,6 +42,7 @@ def report(load: EngineLoad, capacity: ReplicaCapacity) -> ReplicaReport:
         queued_requests=load.queued_requests,
         running_requests=load.running_requests,
         pending_prefill_tokens=load.pending_prefill_tokens,
+        pending_attention_s=load.pending_attention_s,
         kv_usage=load.active_kv_blocks / capacity.kv_blocks if capacity.kv_blocks else 0.0,
         capacity=capacity,
     )

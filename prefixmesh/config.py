@@ -245,9 +245,11 @@ class PrefixmeshPolicyConfig(_Section):
     hold_arrival_grace_s: float = Field(default=0.05, ge=0)
     """A replica holds a router-held request that arrives before the request computing its
     prefix (nothing orders two ingresses' calls) this long for that one to start."""
-    overload_wait_s: float = Field(default=3.0, ge=0)
+    overload_wait_s: float = Field(default=6.0, ge=0)
     """Per-candidate guard: a replica whose estimated queue wait exceeds the least-loaded
-    candidate's by more than this is skipped, whatever it holds."""
+    candidate's by more than this is skipped, whatever it holds. Long prompts need it above
+    their recompute elsewhere (66k tokens: 5.6 s on an H100): a holder busy for less than that
+    is still the faster choice, which the estimate already makes."""
     near_best_rel: float = Field(default=0.0, ge=0)
     """Replicas within this fraction of the best estimated TTFT count as ties ..."""
     near_best_abs_s: float = Field(default=0.001, ge=0)

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,14 @@ def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any)
     if sim.kv_blocks is not None:
         profile = dataclasses.replace(profile, kv_blocks=sim.kv_blocks)
     return SimEngine(profile, hasher, sink, time_scale=sim.time_scale)
+
+
+def _pending_attention_s(capacity: ReplicaCapacity | None, prompts: Iterable[int]) -> float:
+    """The attention of the prompts still to prefill, beyond the linear rate, at this
+    replica's own cost (whole prompts, as ``pending_prefill_tokens`` counts them)."""
+    if capacity is None or capacity.attn_s_per_token_pair <= 0:
+        return 0.0
+    return sum(capacity.prefill_attention_s(tokens, tokens) for tokens in prompts)
 
 
 def _no_gpu() -> bool:
@@ -338,12 +346,14 @@ class ReplicaServer:
         connector = dict(load.connector_stats)
         inflight = self.holds.inflight
         publisher = self.publisher
+        capacity = self.capacity()
         return ReplicaReport(
             queued_requests=len(self._prefill_tokens),
             running_requests=len(self._running),
             pending_prefill_tokens=sum(self._prefill_tokens.values()),
+            pending_attention_s=_pending_attention_s(capacity, self._prefill_tokens.values()),
             kv_usage=load.kv_usage,
-            capacity=self.capacity(),
+            capacity=capacity,
             # Routers that send requests past Serve's handle (the direct path) learn from this
             # which of theirs arrived here: those are in the counts above from now on.
             seen_requests=(*self._prefill_tokens, *self._running, *self._finished),

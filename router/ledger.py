@@ -61,6 +61,8 @@ class LedgerLoad:
     queued_requests: int = 0
     running_requests: int = 0
     pending_prefill_tokens: int = 0
+    pending_attention_s: float = 0.0
+    """Only a replica's report says this (the ledger counts tokens, not their attention)."""
 
 
 class LoadLedger:

@@ -31,6 +31,7 @@ def report_plus_ledger(report: ReplicaReport, own: LedgerLoad) -> LedgerLoad:
         report.queued_requests + own.queued_requests,
         report.running_requests + own.running_requests,
         report.pending_prefill_tokens + own.pending_prefill_tokens,
+        report.pending_attention_s,
     )
 
 
@@ -48,6 +49,7 @@ def larger_of(report: ReplicaReport, own: LedgerLoad) -> LedgerLoad:
         max(report.queued_requests, own.queued_requests),
         max(report.running_requests, own.running_requests),
         max(report.pending_prefill_tokens, own.pending_prefill_tokens),
+        report.pending_attention_s,
     )
 
 
@@ -77,6 +79,7 @@ def snapshot_of(
         load.running_requests,
         load.pending_prefill_tokens,
         report.active_kv_blocks(capacity),
+        load.pending_attention_s,
     )
 
 

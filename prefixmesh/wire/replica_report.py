@@ -16,6 +16,16 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 
+def extra_attention_pairs(prompt_tokens: int, uncached: int, max_batch_tokens: int) -> float:
+    """The query-key pairs of computing the last ``uncached`` (u) of ``prompt_tokens`` (P)
+    that a prefill rate measured on ``max_batch_tokens``-sized (B) chunks at zero context does
+    not count: u * (P - u / 2) in all, u * B / 2 counted (never below 0)."""
+    if uncached <= 0:
+        return 0.0
+    pairs = uncached * (prompt_tokens - 0.5 * uncached - 0.5 * max_batch_tokens)
+    return pairs if pairs > 0 else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaCapacity:
     """What one replica (one data-parallel rank, possibly tensor-parallel) can do.
@@ -47,6 +57,14 @@ class ReplicaCapacity:
     (budget-sized chunks at zero context) already counts u * max_batch_tokens / 2; the rest
     matters on long prompts (a 191k-token prompt takes ~4x its linear estimate on an H100).
     0 when unknown: a prefill is then estimated linear in its tokens."""
+
+    def prefill_attention_s(self, prompt_tokens: int, uncached: int) -> float:
+        """Prefill attention beyond the linear rate (``extra_attention_pairs`` at this
+        replica's cost per pair; 0 when it reports none)."""
+        per_pair = self.attn_s_per_token_pair
+        if per_pair <= 0:
+            return 0.0
+        return per_pair * extra_attention_pairs(prompt_tokens, uncached, self.max_batch_tokens)
 
     def to_wire(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -120,6 +138,10 @@ class ReplicaReport:
     running_requests: int = 0
     pending_prefill_tokens: int = 0
     """Prompt tokens of the queued requests (what it still has to prefill)."""
+    pending_attention_s: float = 0.0
+    """What their attention adds to that at its own cost (``prefill_attention_s`` of each
+    request's tokens still to compute; 0 when it reports no attention cost): a replica deep in
+    a long prompt is busier than its token count says."""
     kv_usage: float = 0.0
     """Fraction of the engine-tier KV cache in use."""
     capacity: ReplicaCapacity | None = None
@@ -186,6 +208,7 @@ _LOAD: dict[str, Reader] = {
     "queued_requests": int,
     "running_requests": int,
     "pending_prefill_tokens": int,
+    "pending_attention_s": _finite,
     "kv_usage": _finite,
 }
 _COUNTERS: dict[str, Reader] = {f.name: int for f in fields(ReplicaCounters)}

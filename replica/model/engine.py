@@ -55,6 +55,7 @@ from prefixmesh.replica.model.records import (
     HoldSpec,
     RequestRecord,
 )
+from prefixmesh.wire.replica_report import extra_attention_pairs
 
 _WAITING, _HELD, _PREFILL, _DECODE, _DONE = range(5)
 
@@ -62,6 +63,7 @@ _WAITING, _HELD, _PREFILL, _DECODE, _DONE = range(5)
 class _Request:
     __slots__ = (
         "aborting",
+        "attention_s",
         "context",
         "decode_start",
         "estimate",
@@ -88,6 +90,7 @@ class _Request:
         self.state = _WAITING
         self.aborting = False
         self.estimate = 0  # pending prefill tokens counted for it while waiting
+        self.attention_s = 0.0  # the pending attention counted for it
         self.num_hit = 0
         self.num_computed = 0
         self.pins: list[BlockHash] = []  # cached blocks it references
@@ -184,6 +187,7 @@ class EngineModel:
         self._events: list[EngineEvent] = []
         self._load: EngineLoad | None = None
         self._pending_prefill = 0
+        self._pending_attention_s = 0.0
         self._active_kv_blocks = 0
         self.busy_s = 0.0
         """Total time spent running steps."""
@@ -204,6 +208,7 @@ class EngineModel:
         req = _Request(request, record, hold)
         req.estimate = request.prompt_tokens - self._hit_blocks(request) * self.block_size
         self._pending_prefill += req.estimate
+        self._to_compute(req, req.estimate)
         self._requests[request.request_id] = req
         _insert_in_order(self._waiting, req, first_of_priority=False)
         self.cache.arrived(request.request_id, request.key.block_hashes)
@@ -224,6 +229,7 @@ class EngineModel:
             else:
                 self._held.remove(req)
             self._pending_prefill -= req.estimate
+            self._to_compute(req, 0)
             self.cache.left(request_id)
             self._events.append(self._finish(req, now_s, aborted=True))
             return True
@@ -251,6 +257,9 @@ class EngineModel:
                 queued_requests=len(self._waiting) + len(self._held),
                 running_requests=len(self._prefilling) + self._num_decoding,
                 pending_prefill_tokens=self._pending_prefill,
+                pending_attention_s=(
+                    max(self._pending_attention_s, 0.0) if self._pending_prefill > 0 else 0.0
+                ),
                 active_kv_blocks=self._active_kv_blocks,
             )
         return self._load
@@ -408,6 +417,7 @@ class EngineModel:
                 continue
             req.num_computed += n
             self._pending_prefill -= n
+            self._to_compute(req, req.spec.prompt_tokens - req.num_computed)
             if req.num_computed >= req.spec.prompt_tokens:
                 completed = True
                 self._prefill_done(req)
@@ -519,9 +529,20 @@ class EngineModel:
         record.prefill_tokens = spec.prompt_tokens - req.num_computed
         self._pending_prefill += record.prefill_tokens - req.estimate
         req.estimate = 0
+        self._to_compute(req, record.prefill_tokens)
         _insert_in_order(self._prefilling, req, first_of_priority=False)
         self._active_kv_blocks += total
         return match.num_cpu_blocks * self._load_s + match.num_shared_blocks * self._shared_load_s
+
+    def _to_compute(self, req: _Request, tokens: int) -> None:
+        """``req`` has ``tokens`` of its prompt left to compute: the attention they will cost
+        beyond the linear rate, as the router prices it, replaces what was counted for it."""
+        if self._attn_s <= 0:
+            return
+        pairs = extra_attention_pairs(req.spec.prompt_tokens, tokens, self.profile.max_batch_tokens)
+        attention_s = pairs * self._attn_s
+        self._pending_attention_s += attention_s - req.attention_s
+        req.attention_s = attention_s
 
     def _prefill_done(self, req: _Request) -> None:
         spec = req.spec
@@ -563,6 +584,7 @@ class EngineModel:
         for req in self._aborting:
             if req.state == _PREFILL:
                 self._pending_prefill -= req.spec.prompt_tokens - req.num_computed
+                self._to_compute(req, 0)
                 self._prefilling.remove(req)
             elif req.state == _DECODE:
                 self._stop_decoding(req)

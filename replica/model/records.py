@@ -92,3 +92,5 @@ class EngineLoad:
     engine's cache when they were submitted."""
     active_kv_blocks: int
     """Blocks reserved by running requests (prompt and output)."""
+    pending_attention_s: float = 0.0
+    """What their attention costs beyond the linear prefill rate (``extra_attention_pairs``)."""

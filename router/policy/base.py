@@ -38,6 +38,8 @@ class ReplicaSnapshot:
     """Prompt tokens routed to it that still have to be computed (queued and in progress)."""
     active_kv_blocks: int = 0
     """KV blocks held by its running requests (prompt and generated tokens)."""
+    pending_attention_s: float = 0.0
+    """What the attention of that pending prefill adds to it (``ReplicaReport``'s)."""
 
     @property
     def ongoing_requests(self) -> int:

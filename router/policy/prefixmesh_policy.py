@@ -52,7 +52,7 @@ from prefixmesh.router.policy.base import (
 from prefixmesh.router.policy.decode_cost import DecodeCost
 from prefixmesh.router.policy.load import require_replicas
 from prefixmesh.router.policy.ring import ReplicaRing
-from prefixmesh.router.policy.ttft import CandidateEstimates, TtftModel, attention_s
+from prefixmesh.router.policy.ttft import CandidateEstimates, TtftModel
 
 _REFERENCE_REFRESH = 64
 """Decisions between refreshes of the fleet's average replica (``traffic_weight``'s unit):
@@ -439,7 +439,7 @@ class PrefixmeshPolicy:
         # The step model's own prefill (ttft.py): one step, or chunk-sized ones.
         ttft_s = wait_s + uncached * token_s + decode_step_s * (steps if steps > 1.0 else 1.0)
         if capacity.attn_s_per_token_pair > 0:
-            ttft_s += attention_s(capacity, request.prompt_tokens, uncached)
+            ttft_s += capacity.prefill_attention_s(request.prompt_tokens, uncached)
         if self.decode_cost is not None:
             self.decode_cost.routed(
                 request.request_id,
@@ -514,9 +514,10 @@ class PrefixmeshPolicy:
             in_flight_blocks = min(hit.num_speculative, blocks)
             per_token_s = self.model.per_token_s(replicas[index])
             in_flight_tokens = in_flight_blocks * block_size
-            in_flight_s = in_flight_tokens * per_token_s + attention_s(
-                replicas[index].capacity, blocks * block_size, in_flight_tokens
+            attention_s = replicas[index].capacity.prefill_attention_s(
+                blocks * block_size, in_flight_tokens
             )
+            in_flight_s = in_flight_tokens * per_token_s + attention_s
             wait = waits[index]
             ready = self._ready_in(replicas[index].replica_id, hashes, blocks, now_s)
             if ready is None or not ready < wait:

@@ -25,11 +25,12 @@ token, longer on a replica busy decoding.
 
 - queue wait = half a decode step (a busy replica takes the request at its next step
   boundary) + the prefill already routed there (``pending_prefill_tokens``) at the effective
-  time per token;
+  time per token, plus its attention as the replica reports it (``pending_attention_s``);
 - own prefill = its uncached tokens at the effective time per token, but never less than the
   one step that carries them: decode step + uncached / peak; plus, on a long prompt, the
-  attention the peak rate does not count (``attention_s``, when the replica reports
-  ``attn_s_per_token_pair``: the last u of P tokens attend to u * (P - u/2) pairs);
+  attention the peak rate does not count (``ReplicaCapacity.prefill_attention_s``, when the
+  replica reports ``attn_s_per_token_pair``: the last u of P tokens attend to u * (P - u/2)
+  pairs);
 - lower tiers: a block held in CPU memory or on disk costs its load time
   (``cpu_load_s_per_block``, ``disk_load_s_per_block``); when the replica reports none (0), the
   hit is credited instead, as Dynamo does: a CPU block saves 0.75 of its prefill, a disk block
@@ -99,17 +100,6 @@ def step_times(
     )
     chunk = max(budget - running_requests, min_prefill_share * budget)
     return StepTimes(token_s, decode_step_s, chunk, token_s + decode_step_s / chunk)
-
-
-def attention_s(capacity: ReplicaCapacity, prompt_tokens: int, uncached: int) -> float:
-    """Prefill attention beyond the linear rate: computing the last ``uncached`` (u) of
-    ``prompt_tokens`` (P) attends to u * (P - u / 2) query-key pairs, of which the prefill rate
-    (budget-sized chunks at zero context) already counts u * max_batch_tokens / 2."""
-    per_pair = capacity.attn_s_per_token_pair
-    if per_pair <= 0 or uncached <= 0:
-        return 0.0
-    pairs = uncached * (prompt_tokens - 0.5 * uncached - 0.5 * capacity.max_batch_tokens)
-    return pairs * per_pair if pairs > 0 else 0.0
 
 
 Holder = tuple[int, PrefixHit, int]
@@ -284,6 +274,8 @@ class TtftModel:
         pending = snapshot.pending_prefill_tokens
         if pending > 0 or running > 0:  # busy: it takes the request at its next step
             wait = 0.5 * steps.decode_step_s + max(pending, 0) * steps.prefill_s_per_token
+            if pending > 0 and snapshot.pending_attention_s > 0:
+                wait += snapshot.pending_attention_s
         else:
             wait = 0.0
         saved, load_s = (0.0, 0.0)
@@ -293,7 +285,7 @@ class TtftModel:
             request, capacity, self.uncached(request, saved), shared_blocks
         )
         load_s += shared_load_s
-        attention = attention_s(capacity, request.prompt_tokens, uncached)
+        attention = capacity.prefill_attention_s(request.prompt_tokens, uncached)
         prefill_s = attention + max(
             uncached * steps.prefill_s_per_token, steps.decode_step_s + uncached * steps.token_s
         )
@@ -429,7 +421,7 @@ class TtftModel:
         if load_at is not None:
             costs = [cost + load for cost, load in zip(costs, load_at, strict=True)]
         if prompt > terms.attention_above:  # attention adds to both the TTFT and the work
-            # ``attention_s``, inlined: (per pair, half the budget) per replica.
+            # ``prefill_attention_s``, inlined: (per pair, half the budget) per replica.
             for index, (per_pair, half_budget) in enumerate(terms.attention):
                 if per_pair > 0:
                     u = uncached_at[index]
@@ -481,7 +473,8 @@ class _ReplicaTerms:
         self.fleet_version = 0
         """Bumped whenever the candidates' ids or their order change."""
         self.attention: list[tuple[float, float]] = []
-        """Per replica: its attention cost per pair and half its step budget (``attention_s``)."""
+        """Per replica: its attention cost per pair and half its step budget
+        (``ReplicaCapacity.prefill_attention_s``)."""
         self.attention_above = math.inf
         """Only prompts longer than this can cost attention anywhere (the least half budget of
         a replica that reports an attention cost; inf: none does), so short prompts skip it.
@@ -542,6 +535,8 @@ class _ReplicaTerms:
             waiting = snapshot.queued_requests
             if pending > 0:
                 backlog_s = pending * (token_s + per_token)
+                if snapshot.pending_attention_s > 0:
+                    backlog_s += snapshot.pending_attention_s
                 wait = 0.5 * decode_step_s + backlog_s
                 if waiting <= 0:
                     waiting = 1  # a running prefill

@@ -16,6 +16,7 @@ REPORT = ReplicaReport(
     queued_requests=2,
     running_requests=3,
     pending_prefill_tokens=700,
+    pending_attention_s=1.25,
     kv_usage=0.25,
     capacity=CAPACITY,
     seen_requests=("a", "b"),

@@ -240,3 +240,26 @@ def test_siblings_of_a_long_prefill_wait_for_it_past_the_entries_base_lifetime()
         sibling = outcomes[name]
         assert sibling.held and sibling.replica == first.replica
         assert sibling.record.cached_tokens == 120_000
+
+
+def test_a_request_avoids_a_holder_deep_in_a_long_prompt_that_its_report_prices_in_full() -> None:
+    # Regression (the queue-wait half of the Mooncake finding): replicas reported the prompt
+    # tokens they still had to compute, and the router priced them linear, so a replica deep
+    # in a long prompt's most attention-heavy chunks looked a few seconds from free when it was
+    # many. "x" holds 66k tokens there; recomputing them on the idle replica is faster.
+    shared = Segment(5, 66_000)
+    requests = [
+        make_request("warm", 0.0, (shared, Segment(6, 64)), 2),
+        # Hits warm's 66k, then computes 54k more at 66k-120k of context.
+        make_request("long", 6.0, (shared, Segment(1, 54_000)), 2),
+        make_request("x", 8.0, (shared, Segment(9, 64)), 2),
+    ]
+    config = SimConfig.uniform(H100_LLAMA8B, 2, registry_lag_s=0.05)
+    policy = make_policy(
+        "prefixmesh", RoutingConfig(), rng=random.Random(0), block_size=H100_LLAMA8B.block_size
+    )
+    outcomes = {o.record.request_id: o for o in ClusterSim(config, policy).run(requests).outcomes}
+    long, x = outcomes["long"], outcomes["x"]
+    assert long.replica == outcomes["warm"].replica and long.record.cached_tokens >= 65_000
+    assert x.replica != long.replica and x.record.cached_tokens == 0
+    assert x.record.first_token_s < long.record.first_token_s

@@ -8,7 +8,6 @@ import pytest
 
 from prefixmesh.loadtest.fleet import SimReplica, capacity
 from prefixmesh.replica.model.profile import H100_LLAMA8B, with_cpu_tier
-from prefixmesh.router.policy.ttft import attention_s
 
 
 def test_capacity_follows_the_step_model_and_scales_with_tp() -> None:
@@ -35,7 +34,7 @@ def test_the_router_s_estimate_of_a_long_prefill_is_the_step_model_s() -> None:
     # the router's estimate is the engine model's (within 0.2% from 50k tokens up).
     one = capacity(H100_LLAMA8B)
     for tokens in (8192, 50_000, 191_374):
-        estimate = tokens / one.prefill_tokens_per_s + attention_s(one, tokens, tokens)
+        estimate = tokens / one.prefill_tokens_per_s + one.prefill_attention_s(tokens, tokens)
         assert estimate == pytest.approx(H100_LLAMA8B.idle_prefill_s(tokens, 0), rel=2e-3)
 
 

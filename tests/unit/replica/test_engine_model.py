@@ -281,6 +281,36 @@ def test_load_reports_queue_running_and_pending_prefill() -> None:
     assert engine.load().pending_prefill_tokens == 4 + 6
 
 
+def test_load_reports_the_attention_of_the_prompt_tokens_still_to_compute() -> None:
+    # 0.01 s per query-key pair: the last u of the 40-token prompt cost 0.01 x u x (40 - u/2)
+    # of which the 8-token chunks' rate counts 0.01 x u x 4 (the router's pricing, exactly).
+    engine = EngineModel(replace(TINY, attn_s_per_token_ctx=0.01))
+    engine.submit(request("long", tuple(range(1, 11)), prompt=40, output=2), 0.0)
+    engine.submit(request("short", (99,), prompt=6, output=2), 0.0)  # one chunk: none
+    remaining = []
+    while engine.load().pending_prefill_tokens:
+        load = engine.load()
+        remaining.append(round(load.pending_attention_s / 0.01, 6))
+        engine.advance(engine.next_event_s())  # type: ignore[arg-type]
+    # 40 left, then 32 (the first chunk at zero context costs only what the rate counts),
+    # 24, 16, 8; then the short prompt's 6 alone.
+    assert remaining == [640, 640, 576, 448, 256, 0]
+    assert engine.load().pending_attention_s == 0.0
+    # An aborted prefill takes its attention out of the report at the step's end.
+    engine.submit(request("again", tuple(range(20, 30)), prompt=40, output=2), 100.0)
+    assert engine.load().pending_attention_s == pytest.approx(6.4)
+    assert engine.abort("again", 100.0)
+    engine.advance(engine.next_event_s())  # type: ignore[arg-type]
+    assert engine.load().pending_attention_s == 0.0
+    # A waiting one's, at once.
+    busy = EngineModel(replace(TINY, attn_s_per_token_ctx=0.01, max_running=1))
+    busy.submit(request("first", (1,), prompt=4, output=10), 0.0)
+    busy.submit(request("waits", tuple(range(20, 30)), prompt=40, output=2), 0.0)
+    assert busy.load().pending_attention_s == pytest.approx(6.4)
+    assert busy.abort("waits", 0.0)
+    assert busy.load().pending_attention_s == 0.0
+
+
 def test_tensor_parallel_replica_is_faster_and_holds_more() -> None:
     profile = replace(TINY, tp_efficiency=1.0)
     engine = EngineModel(profile, tp_degree=2)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import deque
 from types import SimpleNamespace
 
+import pytest
+
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.replica.deployment import ReplicaServer
 from prefixmesh.replica.engines.base import EngineLoad
@@ -22,8 +24,11 @@ CAPACITY = {
 
 
 class _Engine:
+    def __init__(self, capacity: dict[str, float] = CAPACITY) -> None:
+        self._capacity = capacity
+
     def capacity(self) -> dict[str, float]:
-        return CAPACITY
+        return self._capacity
 
     def load(self) -> EngineLoad:
         return EngineLoad(
@@ -38,10 +43,10 @@ class _Engine:
         pass
 
 
-def _server() -> ReplicaServer:
+def _server(capacity: dict[str, float] = CAPACITY) -> ReplicaServer:
     server = ReplicaServer.__new__(ReplicaServer)
     server.replica_id = ReplicaId("replica-a")
-    server.engine = _Engine()  # type: ignore[assignment]
+    server.engine = _Engine(capacity)  # type: ignore[assignment]
     server.holds = ReplicaHolds(HoldSettings(own_holds=True))
     server.publisher = SimpleNamespace(  # type: ignore[assignment]
         epoch=7,
@@ -61,6 +66,7 @@ def test_the_report_counts_what_reached_the_replica() -> None:
     report = _server().report()
     assert (report.queued_requests, report.running_requests) == (2, 1)
     assert report.pending_prefill_tokens == 500 and report.kv_usage == 0.5
+    assert report.pending_attention_s == 0.0  # its engine reports no attention cost
     assert report.capacity == ReplicaCapacity(9000.0, 0.02, 2048, 512)
     assert set(report.seen_requests) == {"q1", "q2", "run1", "done1"}
     counters = report.counters
@@ -72,6 +78,19 @@ def test_the_report_counts_what_reached_the_replica() -> None:
     assert counters.engine_waiting_requests == 1 and counters.engine_running_requests == 2
     # The connector's loads by kind, for benchmarks behind the router (in step / beside).
     assert (counters.layer_loads, counters.async_loads) == (5, 3)
+
+
+def test_a_replica_with_an_attention_cost_reports_its_queued_prompts_attention() -> None:
+    server = _server(CAPACITY | {"attn_s_per_token_pair": 1e-9})
+    server._prefill_tokens = {"long": 50_000, "short": 300}
+    report = server.report()
+    assert report.pending_prefill_tokens == 50_300
+    # The long prompt's pairs past what the 2,048-token chunks' rate counts; the short one
+    # fits one chunk: none.
+    assert report.pending_attention_s == pytest.approx(50_000 * (25_000 - 1024) * 1e-9)
+    assert report.pending_attention_s == pytest.approx(
+        report.capacity.prefill_attention_s(50_000, 50_000)  # type: ignore[union-attr]
+    )
 
 
 def test_serve_gets_the_wire_form_of_the_report() -> None:

@@ -29,7 +29,7 @@ from prefixmesh.wire import ReplicaCapacity, ReplicaReport
 R = ReplicaId("r1")
 ASSUMED = ReplicaCapacity(1000.0, 0.05, 512, 1)
 OWN = ReplicaCapacity(8000.0, 0.02, 2048, 400, 2)
-REPORT = ReplicaReport(3, 1, 900, kv_usage=0.5, capacity=OWN)
+REPORT = ReplicaReport(3, 1, 900, pending_attention_s=0.7, kv_usage=0.5, capacity=OWN)
 LEDGER = LedgerLoad(1, 2, 100)
 
 
@@ -37,14 +37,17 @@ def test_each_router_kind_adds_its_ledger_its_own_way() -> None:
     assert load_rule(direct=True, sole_router=True) is report_plus_ledger
     assert load_rule(direct=False, sole_router=True) is ledger_only
     assert load_rule(direct=False, sole_router=False) is larger_of
-    assert report_plus_ledger(REPORT, LEDGER) == LedgerLoad(4, 3, 1000)
+    # The ledger counts tokens only: the prompts' attention comes from the report, if at all.
+    assert report_plus_ledger(REPORT, LEDGER) == LedgerLoad(4, 3, 1000, 0.7)
     assert ledger_only(REPORT, LEDGER) == LEDGER
-    assert larger_of(REPORT, LEDGER) == LedgerLoad(3, 2, 900)
+    assert larger_of(REPORT, LEDGER) == LedgerLoad(3, 2, 900, 0.7)
 
 
 def test_a_snapshot_takes_the_reported_capacity_else_the_assumed_one() -> None:
     snapshot = snapshot_of(R, REPORT, ASSUMED, LEDGER, larger_of)
-    assert snapshot == ReplicaSnapshot(R, OWN, 3, 2, 900, active_kv_blocks=200)
+    assert snapshot == ReplicaSnapshot(
+        R, OWN, 3, 2, 900, active_kv_blocks=200, pending_attention_s=0.7
+    )
     blind = snapshot_of(R, ReplicaReport(kv_usage=0.5), ASSUMED)
     assert blind == ReplicaSnapshot(R, ASSUMED, 0, 0, 0, active_kv_blocks=0)
 

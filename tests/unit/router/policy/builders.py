@@ -35,6 +35,7 @@ def snap(
     pending: int = 0,
     kv: int = 0,
     capacity: ReplicaCapacity = CAPACITY,
+    pending_attention_s: float = 0.0,
 ) -> ReplicaSnapshot:
     return ReplicaSnapshot(
         ReplicaId(name),
@@ -43,6 +44,7 @@ def snap(
         running_requests=running,
         pending_prefill_tokens=pending,
         active_kv_blocks=kv,
+        pending_attention_s=pending_attention_s,
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.router.policy.base import ReplicaCapacity
-from prefixmesh.router.policy.ttft import TtftModel, attention_s, step_times
+from prefixmesh.router.policy.ttft import TtftModel, step_times
 from tests.unit.router.policy.builders import CAPACITY, hit, request, snap
 
 
@@ -58,14 +58,26 @@ def test_a_long_prompt_adds_the_attention_its_prefill_rate_does_not_count() -> N
     # 1 us per query-key pair; the rate's 100-token chunks at zero context count 50 a token.
     capacity = ReplicaCapacity(1000.0, 0.01, 100, 1000, attn_s_per_token_pair=1e-6)
     # The last 300 of 1,000 tokens attend to 300 x (1000 - 150) pairs, 300 x 50 of them counted.
-    assert attention_s(capacity, 1000, 300) == pytest.approx(300 * 800 * 1e-6)
-    assert attention_s(capacity, 80, 80) == 0.0  # within one chunk: the rate counts it all
-    assert attention_s(CAPACITY, 1000, 300) == 0.0  # not reported: linear
+    assert capacity.prefill_attention_s(1000, 300) == pytest.approx(300 * 800 * 1e-6)
+    assert capacity.prefill_attention_s(80, 80) == 0.0  # within one chunk: the rate counts it all
+    assert CAPACITY.prefill_attention_s(1000, 300) == 0.0  # not reported: linear
     linear = model().explain(request(*range(250)), snap("a"), None)  # 1,000 tokens
     quadratic = model().explain(request(*range(250)), snap("a", capacity=capacity), None)
     extra = 1000 * (500 - 50) * 1e-6
     assert quadratic.prefill_s == pytest.approx(linear.prefill_s + extra)
     assert quadratic.work_s == pytest.approx(linear.work_s + extra)
+
+
+def test_the_queue_wait_adds_the_attention_of_the_prompts_the_replica_still_computes() -> None:
+    # The replica reports 0.5 s of attention in what it has still to prefill (a long prompt
+    # it is deep in): its queue lasts that much longer than its 200 tokens say.
+    linear = model().explain(request(1), snap("a", pending=200), None)
+    busy = model().explain(request(1), snap("a", pending=200, pending_attention_s=0.5), None)
+    assert busy.queue_wait_s == pytest.approx(linear.queue_wait_s + 0.5)
+    assert busy.ttft_s == pytest.approx(linear.ttft_s + 0.5)
+    # Nothing pending: a stale attention figure adds nothing.
+    idle = model().explain(request(1), snap("a", pending_attention_s=0.5), None)
+    assert idle.queue_wait_s == 0.0
 
 
 def test_waits_on_idle_and_decoding_replicas() -> None:
@@ -114,6 +126,7 @@ def test_bulk_estimate_matches_the_term_by_term_one() -> None:
                 queued=rng.choice([0, 0, rng.randrange(5)]),
                 kv=rng.randrange(300),
                 capacity=c,
+                pending_attention_s=rng.choice([0.0, 0.0, rng.random()]),
             )
             for i, c in enumerate(capacities)
         ]
@@ -140,6 +153,7 @@ def test_bulk_estimate_matches_the_term_by_term_one() -> None:
             assert bulk.cost[i] == pytest.approx(one.cost(0.5, 1.0))
         backlogs = [
             s.pending_prefill_tokens * tiny.explain(req, s, None).steps.prefill_s_per_token
+            + (s.pending_attention_s if s.pending_prefill_tokens > 0 else 0.0)
             for s in replicas
         ]
         assert bulk.least_backlog_s == pytest.approx(min(backlogs))
