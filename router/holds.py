@@ -103,12 +103,16 @@ def claim_prefix(
 
 def expected_ready_s(snapshot: ReplicaSnapshot, tokens: int) -> float:
     """When a prompt of ``tokens`` sent to the replica now should have its first token: its
-    queued prefill and this one at its peak rate, plus a step (the queue term keeps a busy
-    replica's claim alive until it gets to the prompt)."""
+    queued prefill and this one at its peak rate, with their attention where the replica
+    reports its cost, plus a step (the queue term keeps a busy replica's claim alive until it
+    gets to the prompt; the attention keeps a long prompt's claim alive until it is done)."""
     capacity = snapshot.capacity
     rate = capacity.prefill_tokens_per_s
     queued = max(snapshot.pending_prefill_tokens, 0) + max(tokens, 0)
-    return float((queued / rate if rate > 0 else 0.0) + capacity.decode_step_s)
+    attention_s = capacity.prefill_attention_s(tokens, tokens)
+    if snapshot.pending_prefill_tokens > 0 and snapshot.pending_attention_s > 0:
+        attention_s += snapshot.pending_attention_s
+    return float((queued / rate if rate > 0 else 0.0) + attention_s + capacity.decode_step_s)
 
 
 def bound_s(settings: ClaimSettings, snapshot: ReplicaSnapshot, tokens: int) -> float:

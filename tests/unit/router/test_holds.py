@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 from prefixmesh.cache_registry.factory import make_hasher, make_memory_state
 from prefixmesh.cache_registry.types import CacheEvent, EventKind, ReplicaId, Tier
 from prefixmesh.config import PrefixmeshConfig, load_config
@@ -116,3 +118,28 @@ def test_a_claim_waits_a_share_of_the_prefill_it_can_save() -> None:
     assert claim_wait_s(settings, snapshot, 1000) == 0.5 * 0.1  # half of a 0.1 s prefill
     assert claim_wait_s(settings, snapshot, 10) == 0.005  # never below the lookup deadline
     assert claim_wait_s(settings, snapshot, 10**6) == 0.25  # nor above the op timeout
+
+
+def test_a_long_prompts_claim_lasts_until_its_attention_heavy_prefill_is_done() -> None:
+    # Regression: the bound was linear in the tokens, so on a replica that reports an
+    # attention cost a long prompt's claim (and its siblings' holds) ran out before its first
+    # token, and the siblings computed it again.
+    from prefixmesh.router.holds import ClaimSettings, bound_s, expected_ready_s
+    from prefixmesh.router.policy.base import ReplicaCapacity, ReplicaSnapshot
+
+    settings = ClaimSettings.from_config(config())
+    linear = ReplicaCapacity(10_000.0, 0.02, 2048, 100)
+    quadratic = ReplicaCapacity(10_000.0, 0.02, 2048, 100, attn_s_per_token_pair=1e-9)
+    idle = ReplicaSnapshot(REPLICAS[0], quadratic)
+    # 100k tokens: 10 s at the rate, plus 100k x (50k - 1024) pairs at 1 ns.
+    attention = 100_000 * (50_000 - 1024) * 1e-9
+    assert expected_ready_s(idle, 100_000) == pytest.approx(10.0 + attention + 0.02)
+    assert expected_ready_s(ReplicaSnapshot(REPLICAS[0], linear), 100_000) == 10.0 + 0.02
+    # A replica deep in another long prompt: its reported attention is waited for too.
+    busy = ReplicaSnapshot(
+        REPLICAS[0], quadratic, pending_prefill_tokens=20_000, pending_attention_s=3.0
+    )
+    assert expected_ready_s(busy, 100_000) == pytest.approx(12.0 + attention + 3.0 + 0.02)
+    assert bound_s(settings, busy, 100_000) == (
+        settings.wait_factor * expected_ready_s(busy, 100_000) + settings.slack_s
+    )
