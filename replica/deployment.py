@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -144,14 +144,6 @@ def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any)
     return SimEngine(profile, hasher, sink, time_scale=sim.time_scale)
 
 
-def _pending_attention_s(capacity: ReplicaCapacity | None, prompts: Iterable[int]) -> float:
-    """The attention of the prompts still to prefill, beyond the linear rate, at this
-    replica's own cost (whole prompts, as ``pending_prefill_tokens`` counts them)."""
-    if capacity is None or capacity.attn_s_per_token_pair <= 0:
-        return 0.0
-    return sum(capacity.prefill_attention_s(tokens, tokens) for tokens in prompts)
-
-
 def _no_gpu() -> bool:
     try:
         import torch
@@ -237,6 +229,9 @@ class ReplicaServer:
         )
         self.runtime.start()
         self._prefill_tokens: dict[str, int] = {}
+        self._prefill_attention_s: dict[str, float] = {}
+        """The attention each queued prompt costs beyond the linear rate, for the part of it
+        the engine did not hold when it arrived (only prompts that cost any)."""
         self._running: set[str] = set()
         self._finished: deque[str] = deque(maxlen=FINISHED_IDS_KEPT)
         logger.info("replica %s (rank %d) ready", self.replica_id, rank)
@@ -248,6 +243,9 @@ class ReplicaServer:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         rid = request.request_id
         self._prefill_tokens[rid] = len(request.prompt_token_ids)
+        attention_s = self._attention_s(request)
+        if attention_s > 0:
+            self._prefill_attention_s[rid] = attention_s
         trace = replica_trace(request, self.replica_id)  # no-op object when tracing is off
         held_s = 0.0
         in_prefill = True
@@ -269,7 +267,7 @@ class ReplicaServer:
                 request.hold,
                 key,
                 lambda: self._resident.leading(key.block_hashes),
-                self._prefill_rate,
+                self.capacity,
             )
             if hold is not None:
                 waits_here()
@@ -298,6 +296,7 @@ class ReplicaServer:
                         self.fair.first_token(rid)
                     inflight.finished(rid)
                     self._prefill_tokens.pop(rid, None)
+                    self._prefill_attention_s.pop(rid, None)
                     self._running.add(rid)
                     trace.first_token(chunk.num_cached_tokens)
                 output_tokens += len(chunk.token_ids)
@@ -322,9 +321,20 @@ class ReplicaServer:
                 self.fair.leave(rid, output_tokens)
             inflight.finished(rid)
             self._prefill_tokens.pop(rid, None)
+            self._prefill_attention_s.pop(rid, None)
             self._running.discard(rid)
             self._finished.append(rid)
             trace.end(output_tokens, finish_reason)
+
+    def _attention_s(self, request: GenerateRequest) -> float:
+        """What computing the prompt's blocks the engine does not hold costs in attention
+        beyond the linear rate (0 on engines that report no such cost, such as vLLM)."""
+        capacity = self.capacity()
+        if capacity is None or capacity.attn_s_per_token_pair <= 0:
+            return 0.0
+        prompt = len(request.prompt_token_ids)
+        cached = self._resident.leading(request.key.block_hashes) * self.config.cache.block_size
+        return capacity.prefill_attention_s(prompt, prompt - min(cached, prompt - 1))
 
     def _fair_ticket(self, request: GenerateRequest) -> FairTicket:
         """The request as fair share weighs it: the prompt tokens the engine must compute."""
@@ -335,10 +345,6 @@ class ReplicaServer:
     def capacity(self) -> ReplicaCapacity | None:
         """The engine's capacity (None if it reports none that can be read)."""
         return ReplicaCapacity.from_wire(self.engine.capacity())
-
-    def _prefill_rate(self) -> float:
-        capacity = self.capacity()
-        return capacity.prefill_tokens_per_s if capacity is not None else 0.0
 
     def report(self) -> ReplicaReport:
         """Load for routing, plus counters for tests and benchmarks."""
@@ -351,7 +357,7 @@ class ReplicaServer:
             queued_requests=len(self._prefill_tokens),
             running_requests=len(self._running),
             pending_prefill_tokens=sum(self._prefill_tokens.values()),
-            pending_attention_s=_pending_attention_s(capacity, self._prefill_tokens.values()),
+            pending_attention_s=sum(self._prefill_attention_s.values()),
             kv_usage=load.kv_usage,
             capacity=capacity,
             # Routers that send requests past Serve's handle (the direct path) learn from this

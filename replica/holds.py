@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from prefixmesh.cache_registry.types import BlockHash, PrefixKey
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.wire import HoldInstruction
+from prefixmesh.wire import HoldInstruction, ReplicaCapacity
 
 
 @dataclass
@@ -126,7 +126,7 @@ def own_hold(
     key: PrefixKey,
     resident_blocks: int,
     min_blocks: int,
-    prefill_tokens_per_s: float,
+    capacity: ReplicaCapacity | None,
 ) -> HoldInstruction | None:
     """Delay-hit deferral a replica applies on its own: a request that shares a long prefix
     with a prefill in progress here would compute the same blocks again in the same batch (vLLM
@@ -134,15 +134,22 @@ def own_hold(
 
     Only blocks the engine does not hold yet are worth waiting for: ``resident_blocks`` of the
     request's chain are cached here already, and a prefill that shares no more than those
-    (another question on a cached document) computes nothing this request needs."""
+    (another question on a cached document) computes nothing this request needs.
+
+    The bound is twice the prefill's idle time at the engine's ``capacity``, its attention
+    included (a long prompt's takes several times its linear estimate)."""
     found = inflight.longest_shared(key)
     if found is None:
         return None
     prefill, shared = found
     if shared - resident_blocks < max(1, min_blocks):
         return None
-    rate = prefill_tokens_per_s if prefill_tokens_per_s > 0 else 1.0
-    return HoldInstruction(shared, 2.0 * prefill.prompt_tokens / rate + 0.05)
+    tokens = prefill.prompt_tokens
+    rate = capacity.prefill_tokens_per_s if capacity is not None else 0.0
+    prefill_s = tokens / rate if rate > 0 else float(tokens)
+    if capacity is not None:
+        prefill_s += capacity.prefill_attention_s(tokens, tokens)
+    return HoldInstruction(shared, 2.0 * prefill_s + 0.05)
 
 
 def combined_hold(
@@ -195,19 +202,18 @@ class ReplicaHolds:
         router_hold: HoldInstruction | None,
         key: PrefixKey,
         resident_blocks: Callable[[], int],
-        prefill_tokens_per_s: Callable[[], float],
+        capacity: Callable[[], ReplicaCapacity | None],
     ) -> HoldInstruction | None:
         """The hold a request (its prompt's ``key``) waits under, if any. ``resident_blocks``:
-        leading blocks of its key the engine holds; ``prefill_tokens_per_s``: the engine's rate
-        (both asked only when there is something to wait for)."""
+        leading blocks of its key the engine holds; ``capacity``: the engine's (both asked
+        only when there is something to wait for)."""
         own_holds = self.settings.own_holds
         if router_hold is None and not (own_holds and len(self.inflight)):
             return None  # the common case: nothing to wait for, no walk over the cache
         resident = resident_blocks()
         own = None
         if own_holds:
-            rate = prefill_tokens_per_s()
-            own = own_hold(self.inflight, key, resident, self.settings.min_blocks, rate)
+            own = own_hold(self.inflight, key, resident, self.settings.min_blocks, capacity())
         return combined_hold(router_hold, own, resident)
 
     async def wait(self, hold: HoldInstruction, key: PrefixKey, from_router: bool) -> float:

@@ -345,6 +345,7 @@ class EngineModel:
                 waiting.popleft()
                 req.state = _HELD
                 req.held_since = now_s
+                self._expect_hit(req)
                 self._held.append(req)
                 continue
             loaded = self._admit(req, now_s)
@@ -534,6 +535,20 @@ class EngineModel:
         self._active_kv_blocks += total
         return match.num_cpu_blocks * self._load_s + match.num_shared_blocks * self._shared_load_s
 
+    def _expect_hit(self, req: _Request) -> None:
+        """``req`` is held for blocks another request is computing here: it is expected to
+        hit them, so it counts only the rest of its prompt as pending (admission counts it
+        exactly)."""
+        assert req.hold is not None
+        spec = req.spec
+        blocks = min(
+            req.hold.num_blocks, len(spec.key), (spec.prompt_tokens - 1) // self.block_size
+        )
+        estimate = min(req.estimate, spec.prompt_tokens - blocks * self.block_size)
+        self._pending_prefill += estimate - req.estimate
+        req.estimate = estimate
+        self._to_compute(req, estimate)
+
     def _to_compute(self, req: _Request, tokens: int) -> None:
         """``req`` has ``tokens`` of its prompt left to compute: the attention they will cost
         beyond the linear rate, as the router prices it, replaces what was counted for it."""
@@ -543,6 +558,8 @@ class EngineModel:
         attention_s = pairs * self._attn_s
         self._pending_attention_s += attention_s - req.attention_s
         req.attention_s = attention_s
+        if self._pending_prefill <= 0:  # nothing pending: no rounding left behind
+            self._pending_attention_s = 0.0
 
     def _prefill_done(self, req: _Request) -> None:
         spec = req.spec

@@ -117,8 +117,9 @@ class CandidateEstimates:
     cost: list[float]
     """TTFT + work price x work + queue externality x delay added to requests waiting there."""
     least_backlog_s: float
-    """The shortest queued prefill (pending x effective time per token) of any candidate: 0
-    while some replica has none, the fleet's backlog once every one has some."""
+    """The shortest queued prefill (pending x effective time per token, plus its reported
+    attention) of any candidate: 0 while some replica has none, the fleet's backlog once every
+    one has some."""
     holders: list[Holder]
     """Every candidate with a hit, in candidate order (usually a handful)."""
     any_speculative: bool = False

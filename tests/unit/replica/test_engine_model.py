@@ -215,6 +215,22 @@ def test_hold_waits_for_the_in_flight_prefix_then_hits_it() -> None:
     assert done["b"].held_s == 2.0
 
 
+def test_a_held_request_counts_only_what_it_will_compute_after_its_hit() -> None:
+    # Regression: held siblings of a long prefill counted their whole prompt as pending (and
+    # its attention), so the replica computing it for them looked seconds busier than it was.
+    engine = EngineModel(replace(TINY, attn_s_per_token_ctx=0.01))
+    engine.submit(request("a", (1, 2, 3), prompt=12, output=1), 0.0)
+    engine.submit(request("b", (1, 2, 3), prompt=13, output=1), 0.5, HoldSpec(3, 10.0))
+    waiting = engine.load()
+    assert waiting.pending_prefill_tokens == 12 + 13  # queued, not held yet
+    engine.advance(engine.next_event_s())  # type: ignore[arg-type]  # b is held for a's blocks
+    held = engine.load()
+    assert held.queued_requests == 1
+    assert held.pending_prefill_tokens == 4 + 1  # a's last chunk, b's one token past the hit
+    # a's last 4 tokens at 8-12 of context, b's one at 12 (each less the 4 the rate counts).
+    assert held.pending_attention_s == pytest.approx(0.01 * (4 * (12 - 2 - 4) + (13 - 0.5 - 4)))
+
+
 def test_without_a_hold_the_sibling_computes_the_prefix_again() -> None:
     engine = EngineModel(TINY)
     engine.submit(request("a", (1, 2, 3), prompt=12, output=1), 0.0)

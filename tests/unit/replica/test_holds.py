@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import EventKind, Tier
 from prefixmesh.replica.engines.base import BlockChange, HeldMirror
@@ -12,12 +14,14 @@ from prefixmesh.replica.holds import (
     combined_hold,
     own_hold,
 )
-from prefixmesh.wire import HoldInstruction
+from prefixmesh.wire import HoldInstruction, ReplicaCapacity
 
 HASHER = BlockHasher(2, "m")
 LONG = HASHER.hash_tokens(list(range(12)))  # 6 blocks
 SIBLING = HASHER.hash_tokens([*range(8), 99, 98, 97, 96])  # shares 4 blocks
 OTHER = HASHER.hash_tokens([5] * 12)
+RATE_4 = ReplicaCapacity(4.0, 0.01, 8, 100)  # 4 tokens/s
+RATE_1000 = ReplicaCapacity(1000.0, 0.01, 8, 100)
 
 
 def test_covering_matches_on_the_shared_head_only() -> None:
@@ -71,23 +75,23 @@ def test_a_replica_holds_only_for_blocks_its_engine_does_not_have() -> None:
     # blocks), serialising a hot group's hits behind one another.
     inflight = InflightPrefills()
     inflight.started("a", LONG, prompt_tokens=12)
-    hold = own_hold(inflight, SIBLING, resident_blocks=0, min_blocks=2, prefill_tokens_per_s=4.0)
+    hold = own_hold(inflight, SIBLING, resident_blocks=0, min_blocks=2, capacity=RATE_4)
     assert hold == HoldInstruction(4, 2.0 * 12 / 4.0 + 0.05)
-    assert (
-        own_hold(inflight, SIBLING, resident_blocks=4, min_blocks=2, prefill_tokens_per_s=4.0)
-        is None
-    )
-    assert (
-        own_hold(inflight, SIBLING, resident_blocks=3, min_blocks=2, prefill_tokens_per_s=4.0)
-        is None
-    )
-    assert (
-        own_hold(inflight, SIBLING, resident_blocks=2, min_blocks=2, prefill_tokens_per_s=4.0)
-        is not None
-    )
-    assert (
-        own_hold(inflight, OTHER, resident_blocks=0, min_blocks=1, prefill_tokens_per_s=4.0) is None
-    )
+    assert own_hold(inflight, SIBLING, resident_blocks=4, min_blocks=2, capacity=RATE_4) is None
+    assert own_hold(inflight, SIBLING, resident_blocks=3, min_blocks=2, capacity=RATE_4) is None
+    assert own_hold(inflight, SIBLING, resident_blocks=2, min_blocks=2, capacity=RATE_4) is not None
+    assert own_hold(inflight, OTHER, resident_blocks=0, min_blocks=1, capacity=RATE_4) is None
+
+
+def test_a_replicas_own_hold_lasts_through_a_long_prompts_attention() -> None:
+    # Regression: the bound was twice the prefill linear in its tokens, so on an engine that
+    # reports an attention cost a hold ran out before a long prompt's first token.
+    inflight = InflightPrefills()
+    inflight.started("a", LONG, prompt_tokens=12)
+    quadratic = ReplicaCapacity(4.0, 0.01, 8, 100, attn_s_per_token_pair=0.01)
+    hold = own_hold(inflight, SIBLING, resident_blocks=0, min_blocks=2, capacity=quadratic)
+    # 12 tokens: 3 s at the rate, plus 12 x (12 - 6 - 4) pairs at 10 ms.
+    assert hold is not None and hold.max_wait_s == pytest.approx(2.0 * (3.0 + 0.24) + 0.05)
 
 
 def test_the_router_hold_and_the_replica_hold_combine_to_the_longer_one() -> None:
@@ -156,15 +160,15 @@ def test_the_replica_holds_on_its_own_only_when_told_it_may() -> None:
     for own_holds in (True, False):
         holds = ReplicaHolds(HoldSettings(own_holds=own_holds, min_blocks=1))
         holds.inflight.started("a", LONG, 12)
-        hold = holds.hold_for(None, SIBLING, lambda: 0, lambda: 1000.0)
+        hold = holds.hold_for(None, SIBLING, lambda: 0, lambda: RATE_1000)
         assert (hold is not None) is own_holds
         if hold is not None:
             assert hold.num_blocks == 4  # what the prefill in flight shares with it
         # A router's hold is waited out either way (with the longer bound when both).
-        both = holds.hold_for(router_hold, SIBLING, lambda: 0, lambda: 1000.0)
+        both = holds.hold_for(router_hold, SIBLING, lambda: 0, lambda: RATE_1000)
         assert both is not None and both.num_blocks == (4 if own_holds else 2)
         # Blocks the engine already holds: nothing left to wait for.
-        assert holds.hold_for(router_hold, SIBLING, lambda: 4, lambda: 1000.0) is None
+        assert holds.hold_for(router_hold, SIBLING, lambda: 4, lambda: RATE_1000) is None
 
 
 async def test_only_a_routers_hold_waits_for_its_prefill_to_arrive() -> None:

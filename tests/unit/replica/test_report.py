@@ -8,11 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.cache_registry.types import BlockHash, EventKind, PrefixKey, ReplicaId, Tier
+from prefixmesh.config import load_config
 from prefixmesh.replica.deployment import ReplicaServer
-from prefixmesh.replica.engines.base import EngineLoad
+from prefixmesh.replica.engines.base import BlockChange, EngineLoad, HeldMirror
 from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
-from prefixmesh.wire import ReplicaCapacity, ReplicaReport
+from prefixmesh.wire import GenerateRequest, ReplicaCapacity, ReplicaReport, SamplingSettings
 
 CAPACITY = {
     "prefill_tokens_per_s": 9000.0,
@@ -57,6 +58,7 @@ def _server(capacity: dict[str, float] = CAPACITY) -> ReplicaServer:
         reaped=2,
     )
     server._prefill_tokens = {"q1": 300, "q2": 200}
+    server._prefill_attention_s = {}
     server._running = {"run1"}
     server._finished = deque(["done1"], maxlen=8)
     return server
@@ -82,15 +84,21 @@ def test_the_report_counts_what_reached_the_replica() -> None:
 
 def test_a_replica_with_an_attention_cost_reports_its_queued_prompts_attention() -> None:
     server = _server(CAPACITY | {"attn_s_per_token_pair": 1e-9})
-    server._prefill_tokens = {"long": 50_000, "short": 300}
-    report = server.report()
-    assert report.pending_prefill_tokens == 50_300
-    # The long prompt's pairs past what the 2,048-token chunks' rate counts; the short one
-    # fits one chunk: none.
-    assert report.pending_attention_s == pytest.approx(50_000 * (25_000 - 1024) * 1e-9)
-    assert report.pending_attention_s == pytest.approx(
-        report.capacity.prefill_attention_s(50_000, 50_000)  # type: ignore[union-attr]
-    )
+    server.config = load_config(overrides=["cache.block_size=100"])
+    server._resident = HeldMirror()
+    keys = PrefixKey(tuple(BlockHash(b) for b in range(500)), 100)
+    # Nothing of the 50,000-token prompt held: all of it is priced, its pairs past what the
+    # 2,048-token chunks' rate counts; a 300-token prompt fits one chunk: none.
+    cold = GenerateRequest("long", tuple(range(50_000)), keys, SamplingSettings(1))
+    assert server._attention_s(cold) == pytest.approx(50_000 * (25_000 - 1024) * 1e-9)
+    short = GenerateRequest("short", tuple(range(300)), keys.head(3), SamplingSettings(1))
+    assert server._attention_s(short) == 0.0
+    # The engine holds the first 40,000 tokens: only the last 10,000 are priced (at their
+    # context), a follow-up's question on a cached document almost nothing.
+    server._resident.apply([BlockChange(EventKind.STORED, Tier.GPU, keys.block_hashes[:400])])
+    assert server._attention_s(cold) == pytest.approx(10_000 * (45_000 - 1024) * 1e-9)
+    server._prefill_attention_s = {"long": 0.4, "other": 1.1}
+    assert server.report().pending_attention_s == pytest.approx(1.5)
 
 
 def test_serve_gets_the_wire_form_of_the_report() -> None:

@@ -63,6 +63,7 @@ def _server(engine: _Engine) -> ReplicaServer:
     server._coalesce = False
     server._registry = None
     server._prefill_tokens = {}
+    server._prefill_attention_s = {}
     server._running = set()
     server._finished = deque(maxlen=8)
     return server
