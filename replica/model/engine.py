@@ -257,9 +257,7 @@ class EngineModel:
                 queued_requests=len(self._waiting) + len(self._held),
                 running_requests=len(self._prefilling) + self._num_decoding,
                 pending_prefill_tokens=self._pending_prefill,
-                pending_attention_s=(
-                    max(self._pending_attention_s, 0.0) if self._pending_prefill > 0 else 0.0
-                ),
+                pending_attention_s=max(self._pending_attention_s, 0.0),
                 active_kv_blocks=self._active_kv_blocks,
             )
         return self._load
