@@ -44,6 +44,7 @@ def test_garbled_fields_read_as_their_defaults() -> None:
         "queued_requests": "3",  # a number in a string is still a number
         "running_requests": "many",
         "pending_prefill_tokens": None,
+        "pending_attention_s": float("inf"),
         "kv_usage": float("nan"),
         "holds": float("inf"),
         "seen_requests": "r1",  # not a list
@@ -52,7 +53,7 @@ def test_garbled_fields_read_as_their_defaults() -> None:
     report = ReplicaReport.from_wire(raw)
     assert (report.queued_requests, report.running_requests) == (3, 0)
     assert report.pending_prefill_tokens == 0 and report.seen_requests == ()
-    assert report.kv_usage == 0.0
+    assert report.kv_usage == 0.0 and report.pending_attention_s == 0.0
     assert report.counters.holds == 0 and report.capacity is None
 
 
