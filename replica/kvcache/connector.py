@@ -13,6 +13,9 @@ engines (``kvcache.layerwise_loads``) a step's CPU-tier loads are copied one lay
 beside the forward pass (``layer_loads.py``; each attention layer waits in
 ``wait_for_layer_load`` for its own blocks only), and a request whose blocks are all in the CPU
 tier loads inside its step that way when its own compute hides the copy (Strata's balance).
+While no load runs, the disk blocks of a request still waiting in vLLM's queue are promoted into
+the CPU tier ahead of its turn (``kvcache.prefetch_blocks``); the workers report each promotion
+back through vLLM's worker metadata (``worker_report.py``).
 
 Blocks are named by our own chained block hashes (the router's), so the tier-tagged events the
 scheduler side emits through vLLM's KV event stream need no translation. The same code runs on
@@ -61,6 +64,7 @@ from prefixmesh.replica.kvcache.policy.base import chain_refs
 from prefixmesh.replica.kvcache.prefill_rate import PrefillRateMeter
 from prefixmesh.replica.kvcache.shared import SharedDirIndex
 from prefixmesh.replica.kvcache.waiting_channel import NoticeReceiver, OutsideWaits
+from prefixmesh.replica.kvcache.worker_report import PrefetchReport, PrefetchTally
 from prefixmesh.replica.kvcache.worker_side import WorkerFolders, WorkerSide
 
 if TYPE_CHECKING:
@@ -129,6 +133,7 @@ class PrefixmeshConnector(KVConnectorBase_V1):
         self._layout_tag = f"{fingerprint}/tp{parallel.tensor_parallel_size}"
         self._device_type = vllm_config.device_config.device_type
         self._step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self._ranks = parallel.world_size
         self._scheduler: _SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -190,6 +195,12 @@ class PrefixmeshConnector(KVConnectorBase_V1):
         assert self._worker is not None
         return self._worker.take_failed()
 
+    def build_connector_worker_meta(self) -> PrefetchReport | None:
+        """The promotions ahead of need this rank ran since the last step."""
+        assert self._worker is not None
+        prefetched = self._worker.take_prefetched()
+        return PrefetchReport.of_rank(prefetched) if prefetched else None
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -229,6 +240,9 @@ class PrefixmeshConnector(KVConnectorBase_V1):
             self._scheduler.forget_failed(connector_output.invalid_block_ids)
         for request_id in connector_output.finished_recving or ():
             self._scheduler.load_finished(request_id)
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, PrefetchReport):
+            self._scheduler.prefetched(report)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -335,6 +349,10 @@ class _SchedulerSide:
             found = scan(connector._rank_dir(0), connector._layout_tag, page_bytes)
             self.planner.restore(Tier.DISK, [entry.block for entry in found])
         self._async_loads = settings.async_loads
+        self._prefetch_blocks = settings.prefetch_blocks if settings.async_loads else 0
+        self._waiting: dict[str, _RequestState] = {}
+        """vLLM's waiting queue, oldest first: the requests a promotion ahead may serve."""
+        self._prefetch_tally = PrefetchTally(connector._ranks)
         self._layerwise = layerwise_loads(settings, connector._device_type)
         self._step_tokens = connector._step_tokens
         self._requests: dict[str, _RequestState] = {}
@@ -381,6 +399,7 @@ class _SchedulerSide:
         """A request joined the engine's waiting queue: its blocks are hashed, and a lookahead
         hears what it is about to load."""
         state = self._state(request)
+        self._waiting[request.request_id] = state
         if self._queue is not None:
             self.hear_outside()  # its own wait outside ends before it arrives here
             self._queue.queued(request.request_id, state.blocks)
@@ -392,6 +411,8 @@ class _SchedulerSide:
 
     def started(self, request_id: str) -> None:
         """It left the waiting queue (its blocks are allocated, or it finished waiting)."""
+        self._waiting.pop(request_id, None)
+        self.planner.release(request_id)
         if self._queue is not None:
             self._queue.started(request_id)
 
@@ -465,6 +486,7 @@ class _SchedulerSide:
             state.offered = end
         for req_id in output.finished_req_ids:
             self._requests.pop(req_id, None)
+        self._prefetch_ahead()
         # The next step carries the running batch: a decode step (measured) and the prefills
         # it continues, the compute its layer-by-layer loads hide under.
         prefilling = 0
@@ -477,6 +499,25 @@ class _SchedulerSide:
             carried_s=meter.decode_step_s if output.num_scheduled_tokens else 0.0,
             carried_tokens=prefilling,
         )
+
+    def _prefetch_ahead(self) -> None:
+        """While the loader idles (no load queued, no promotion on its way), promote the disk
+        blocks of the oldest waiting request that has any into the CPU tier."""
+        planner = self.planner
+        if not self._prefetch_blocks or planner.prefetching or planner.backlog_s > 0:
+            return
+        if self._shared is not None:
+            planner.shared_view(self._shared.blocks)
+        size = self._c._block_size
+        for state in self._waiting.values():
+            usable = (state.request.num_tokens - 1) // size  # vLLM computes the last token
+            refs = chain_refs(state.blocks[:usable])
+            if planner.prefetch(state.request.request_id, refs, self._prefetch_blocks):
+                return
+
+    def prefetched(self, report: PrefetchReport) -> None:
+        for batch, failed in self._prefetch_tally.add(report):
+            self.planner.prefetched(batch, failed)
 
     def forget_failed(self, engine_blocks: set[int]) -> None:
         maps = [self._loaded, *self._loading.values()]
@@ -520,6 +561,8 @@ class _SchedulerSide:
             "layer_loads": counters.layer_loads,
             "shared_scan_errors": self._shared.scan_errors if self._shared is not None else 0,
             "outside_waits": self._outside_waits.waits if self._outside_waits else 0,
+            "prefetched": counters.prefetched,
+            "prefetch_failed": counters.prefetch_failed,
         }
         moved = counts_since(now, self._reported)
         self._reported = now

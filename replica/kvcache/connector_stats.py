@@ -41,6 +41,8 @@ COUNTERS: dict[str, str] = {
     "write_errors": "Tier files that could not be written (a full or unwritable disk)",
     "shared_scan_errors": "Listings of the shared folder that failed",
     "outside_waits": "Requests the replica held before the engine, told to the lookahead",
+    "prefetched": "Blocks promoted from disk into the CPU tier ahead of a waiting request",
+    "prefetch_failed": "Blocks whose promotion ahead of a waiting request failed",
 }
 USABLE = "shared_tier_usable"
 STATES: dict[str, str] = {

@@ -28,6 +28,17 @@ With a shared tier (a folder every replica shares, ``shared.py``) the planner al
 that other replicas wrote there (``shared_view``: the folder's latest listing) when this
 replica's own tiers do not hold them, and writes each block it computes there once. The shared
 tier is the cluster's, not this replica's policy's: nothing here evicts from it or pins it.
+
+While compute is the bottleneck (the step's token budget spent on prefills, so vLLM looks at
+no waiting request), the loader would idle. The planner then promotes a waiting request's disk
+and shared-folder blocks into the CPU tier ahead of it (``prefetch``: Strata's rule that
+neither the transfer queue nor the compute idle while the other is the bottleneck), so that
+when its turn comes its load is a memory copy (in its step, or a short one beside the batch)
+instead of a read. A prefetched block's CPU slot is reserved when it is planned, and it becomes
+the CPU tier's (leaving this replica's disk: the tiers stay exclusive) once the worker reports
+the read done (``prefetched``); until then every decision sees it where it was. The request's
+blocks in the CPU tier stay pinned until it leaves the queue (``release``): a prefill streaming
+through a small tier would otherwise push them down again before their turn.
 """
 
 from __future__ import annotations
@@ -106,15 +117,28 @@ class RequestLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class Prefetch:
+    """Read ``blocks`` from disk into the CPU tier on the loader, ahead of a waiting request;
+    the worker reports ``batch`` with the blocks it could not read."""
+
+    batch: int
+    blocks: tuple[BlockHash, ...]
+    shared: tuple[bool, ...]
+    """Per block: from the shared folder (else this replica's disk tier)."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     loads: tuple[LoadJob, ...] = ()
     jobs: tuple[Job, ...] = ()
     """In order, after the forward pass."""
     async_loads: tuple[RequestLoad, ...] = ()
     """Loads to start beside the engine's steps (the requests wait outside the batch)."""
+    prefetches: tuple[Prefetch, ...] = ()
+    """Promotions to start on the loader after ``jobs`` ran (they free the slots)."""
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.jobs or self.async_loads)
+        return bool(self.loads or self.jobs or self.async_loads or self.prefetches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +199,10 @@ class _Counters:
     """Blocks loaded from the shared folder (another replica computed them)."""
     shares: int = 0
     """Blocks this replica wrote to the shared folder (or found there first by another)."""
+    prefetched: int = 0
+    """Blocks promoted from disk into the CPU tier ahead of a waiting request."""
+    prefetch_failed: int = 0
+    """Blocks whose promotion ahead failed (unreadable, or a load still reading the file)."""
 
 
 class TierPlanner:
@@ -210,6 +238,14 @@ class TierPlanner:
         """Blocks this replica queued for the shared folder that its listing has not shown."""
         self._step_tokens = step_tokens
         self._step = _StepLoad()
+        self._arriving: dict[BlockHash, BlockRef] = {}
+        """Blocks being promoted into the CPU tier ahead of need: a CPU slot each, reserved."""
+        self._batches: dict[int, tuple[BlockRef, ...]] = {}
+        self._next_batch = 0
+        self._prefetches: list[Prefetch] = []
+        self._kept: dict[str, tuple[BlockHash, ...]] = {}
+        """Waiting request -> its CPU-tier blocks a promotion ahead keeps for it (pinned)."""
+        self._kept_pins: dict[BlockHash, int] = {}
         self.counters = _Counters()
 
     # ---- state ---------------------------------------------------------------------------------
@@ -389,6 +425,79 @@ class TierPlanner:
             else:
                 del self._loading_pins[job.block]
 
+    # ---- promotion ahead of need ---------------------------------------------------------------
+
+    @property
+    def prefetching(self) -> bool:
+        """A promotion is on its way (one at a time: the loader's requests come first)."""
+        return bool(self._batches)
+
+    def prefetch(self, request_id: str, refs: Sequence[BlockRef], limit: int) -> int:
+        """Promote the disk and shared-folder blocks of ``refs`` (waiting ``request_id``'s
+        prompt, in order) into the CPU tier, at most ``limit`` of them: those up to where the
+        lower tiers stop holding the chain, for as long as the policy admits them to the CPU
+        tier. Returns how many were planned (0: nothing to promote, or the tier has no room).
+        Those and the chain's blocks the CPU tier holds stay pinned until ``release``."""
+        chosen: list[BlockRef] = []
+        sources: list[bool] = []
+        held: list[BlockHash] = []
+        for ref in refs:
+            if len(chosen) >= limit:
+                break
+            source = self._source(ref.block)
+            if source is None:
+                break
+            if ref.block in self._arriving or source == (Tier.CPU, False):
+                held.append(ref.block)
+                continue
+            self._pinned.add(ref.block)  # never the victim that makes its own room
+            if not self._admit(Tier.CPU, ref):
+                break
+            self._arriving[ref.block] = ref  # reserves its slot: ``_admit`` counts it
+            chosen.append(ref)
+            sources.append(source[1])
+        if chosen:
+            batch = self._next_batch
+            self._next_batch += 1
+            self._batches[batch] = tuple(chosen)
+            blocks = tuple(ref.block for ref in chosen)
+            self._prefetches.append(Prefetch(batch, blocks, tuple(sources)))
+            self.release(request_id)
+            self._kept[request_id] = kept = (*held, *blocks)
+            for block in kept:
+                self._kept_pins[block] = self._kept_pins.get(block, 0) + 1
+        return len(chosen)
+
+    def release(self, request_id: str) -> None:
+        """``request_id`` left the waiting queue (its loads pin what they read from here on):
+        the blocks kept for it may be evicted again."""
+        for block in self._kept.pop(request_id, ()):
+            left = self._kept_pins[block] - 1
+            if left:
+                self._kept_pins[block] = left
+            else:
+                del self._kept_pins[block]
+
+    def prefetched(self, batch: int, failed: Collection[BlockHash]) -> None:
+        """The worker ran promotion ``batch``; ``failed``: the blocks it could not read. The
+        others are the CPU tier's now. A block an asynchronous load still reads from this
+        replica's disk is not promoted (its file must stay until that read)."""
+        for ref in self._batches.pop(batch, ()):
+            block = ref.block
+            del self._arriving[block]
+            tier = self._tier.get(block)
+            if block in failed or block in self._loading_pins:
+                self._jobs.append(DropJob(block, Tier.CPU))  # frees whatever slot it took
+                self.counters.prefetch_failed += 1
+                if block in failed and tier is Tier.DISK:
+                    self.forget_failed([block], Tier.DISK)
+                continue
+            if tier is Tier.DISK:
+                self._remove(Tier.DISK, block, dropped=False)
+                self._jobs.append(DropJob(block, Tier.DISK))
+            self._insert(Tier.CPU, self._ref.get(block, ref))
+            self.counters.prefetched += 1
+
     # ---- computed blocks -----------------------------------------------------------------------
 
     def offer(self, ref: BlockRef, engine_block: int) -> None:
@@ -401,7 +510,7 @@ class TierPlanner:
             self._jobs.append(ShareJob(ref.block, engine_block))
             self.counters.shares += 1
         tier = self._tier.get(ref.block)
-        if tier is Tier.CPU:
+        if tier is Tier.CPU or ref.block in self._arriving:  # (the promotion ahead brings it)
             return
         self._pinned.add(ref.block)  # never its own victim on the way down
         if self._admit(Tier.CPU, ref):
@@ -425,7 +534,10 @@ class TierPlanner:
     def take_plan(self, *, carried_s: float = 0.0, carried_tokens: int = 0) -> StepPlan:
         """This step's plan. The next step starts carrying ``carried_s`` seconds of compute (the
         running batch's decode step, measured) and ``carried_tokens`` (prefills it continues)."""
-        plan = StepPlan(tuple(self._loads), tuple(self._jobs), tuple(self._async))
+        plan = StepPlan(
+            tuple(self._loads), tuple(self._jobs), tuple(self._async), tuple(self._prefetches)
+        )
+        self._prefetches.clear()
         self._step = _StepLoad()
         self.joins_step(carried_tokens)
         self._step.compute_s += carried_s
@@ -453,12 +565,17 @@ class TierPlanner:
         """Room is made in ``tier`` for ``ref`` if the policy admits it there."""
         if self.capacity[tier] == 0:
             return False
-        if self._size[tier] < self.capacity[tier]:
+        reserved = len(self._arriving) if tier is Tier.CPU else 0
+        if self._size[tier] + reserved < self.capacity[tier]:
             return bool(self.policy.admit(tier, ref.block, None))
         return self._evict_for(tier, ref)
 
     def _evict_for(self, tier: Tier, ref: BlockRef) -> bool:
-        pinned = self._pinned | self._loading_pins.keys() if self._loading_pins else self._pinned
+        pinned = self._pinned
+        if self._loading_pins or self._arriving or self._kept_pins:  # (arriving: still on disk)
+            pinned = (
+                pinned | self._loading_pins.keys() | self._arriving.keys() | self._kept_pins.keys()
+            )
         displaced = self.policy.victim(tier, pinned)
         if displaced is None or not self.policy.admit(tier, ref.block, displaced):
             return False

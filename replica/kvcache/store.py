@@ -9,7 +9,9 @@ replica shares (written once, ``ShareJob``; loads marked ``shared``). Every mult
 transfer goes through ``gather_blocks`` / ``scatter_blocks``: one gather of all the step's
 stored blocks into a device staging buffer, then one copy per run of consecutive slab slots;
 for loads the reverse. A load that goes layer by layer (``layer_batch`` / ``copy_layer``, on a
-copier thread) writes one layer of its blocks at a time with ``scatter_layer``.
+copier thread) writes one layer of its blocks at a time with ``scatter_layer``. A promotion
+ahead of need (``prefetch``, on the loader thread) reads disk files into free slab slots; the
+slot table is the one thing both threads change, under a lock.
 A slot holds all layers of a block contiguously (megabytes for an 8B model), so even a
 fragmented slab moves at link speed, with no host-side copy in between.
 
@@ -21,6 +23,7 @@ disk, first waits for the stores enqueued before it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,7 +32,15 @@ import torch
 from prefixmesh.cache_registry.types import BlockHash, Tier
 from prefixmesh.kernels.ops import PagedKVCache, gather_blocks, scatter_blocks, scatter_layer
 from prefixmesh.replica.kvcache.disk import DiskTier
-from prefixmesh.replica.kvcache.planner import DropJob, Job, LoadJob, MoveJob, ShareJob, StoreJob
+from prefixmesh.replica.kvcache.planner import (
+    DropJob,
+    Job,
+    LoadJob,
+    MoveJob,
+    Prefetch,
+    ShareJob,
+    StoreJob,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +72,8 @@ class TierStore:
         )
         self._slot: dict[BlockHash, int] = {}
         self._free = list(range(cpu_capacity_blocks - 1, -1, -1))
+        self._slots_lock = threading.Lock()
+        """Guards ``_slot`` and ``_free`` (the step's thread and the loader's change them)."""
         self._stores_done: torch.cuda.Event | None = None  # last async slab write (CUDA)
         self.disk = disk
         self.shared = shared
@@ -131,6 +144,32 @@ class TierStore:
             scatter_blocks(self.cache, [jobs[i].engine_block for i in good], staged)
         return [job for job, fine in zip(jobs, ok, strict=True) if not fine]
 
+    def prefetch(self, prefetch: Prefetch) -> list[BlockHash]:
+        """Read ``prefetch``'s blocks from their files into free slab slots (the loader's
+        thread); returns the blocks that failed (unreadable, or no slot free)."""
+        failed: list[BlockHash] = []
+        for tier, shared in ((self.disk, False), (self.shared, True)):
+            pairs = zip(prefetch.blocks, prefetch.shared, strict=True)
+            blocks = [block for block, from_shared in pairs if from_shared == shared]
+            if not blocks:
+                continue
+            if tier is None:
+                failed += blocks
+                continue
+            pages = self._new_pages(len(blocks), torch.device("cpu"))
+            _, ok = tier.get(blocks, _as_bytes(pages))
+            with self._slots_lock:
+                for row, (block, fine) in enumerate(zip(blocks, ok, strict=True)):
+                    if block in self._slot:
+                        continue
+                    if not fine or not self._free:
+                        failed.append(block)
+                    else:
+                        slot = self._free.pop()
+                        self._slab[slot].copy_(pages[row])
+                        self._slot[block] = slot
+        return failed
+
     def _new_pages(self, count: int, device: torch.device) -> torch.Tensor:
         return torch.empty((count, *self._page_shape), dtype=self._slab.dtype, device=device)
 
@@ -170,25 +209,27 @@ class TierStore:
                 staged = gather_blocks(self.cache, [job.engine_block for job in stores])
                 self.disk.put([job.block for job in stores], _as_bytes(staged.to("cpu")))
             return
-        fresh = [job for job in stores if job.block not in self._slot]
-        if len(fresh) > len(self._free):
-            logger.error("CPU tier out of slots (%d free for %d)", len(self._free), len(fresh))
-            fresh = fresh[: len(self._free)]
+        with self._slots_lock:
+            fresh = [job for job in stores if job.block not in self._slot]
+            if len(fresh) > len(self._free):
+                logger.error("CPU tier out of slots (%d free for %d)", len(self._free), len(fresh))
+                fresh = fresh[: len(self._free)]
+            # Which block gets which free slot is arbitrary: ascending slots make long runs.
+            slots = sorted(self._free.pop() for _ in fresh)
+            for job, slot in zip(fresh, slots, strict=True):
+                self._slot[job.block] = slot
         if not fresh:
             return
         staged = gather_blocks(self.cache, [job.engine_block for job in fresh])
-        # Which block gets which free slot is arbitrary: ascending slots make long runs.
-        slots = sorted(self._free.pop() for _ in fresh)
         for index, slot, count in slot_runs(slots):
             self._slab[slot : slot + count].copy_(staged[index : index + count], non_blocking=True)
         if staged.is_cuda:
             self._stores_done = torch.cuda.Event()
             self._stores_done.record()
-        for job, slot in zip(fresh, slots, strict=True):
-            self._slot[job.block] = slot
 
     def _move(self, block: BlockHash) -> None:
-        slot = self._slot.pop(block, None)
+        with self._slots_lock:
+            slot = self._slot.pop(block, None)
         if slot is None:
             return
         if self.disk is not None:
@@ -197,13 +238,15 @@ class TierStore:
                 self._stores_done = None
             # DiskTier copies the page before it returns, so the slot can be reused at once.
             self.disk.put([block], _as_bytes(self._slab[slot : slot + 1]))
-        self._free.append(slot)
+        with self._slots_lock:
+            self._free.append(slot)
 
     def _drop(self, job: DropJob) -> None:
         if job.tier is Tier.CPU:
-            slot = self._slot.pop(job.block, None)
-            if slot is not None:
-                self._free.append(slot)
+            with self._slots_lock:
+                slot = self._slot.pop(job.block, None)
+                if slot is not None:
+                    self._free.append(slot)
         elif self.disk is not None:
             self.disk.remove([job.block])
 

@@ -1,7 +1,8 @@
 """The KV connector's worker side (one per rank, in vLLM's worker process): runs each step's
 ``StepPlan`` on the ``TierStore``: loads before the forward pass (or layer by layer beside it,
 ``layer_loads.py``), asynchronous loads on the ``BackgroundLoader``, and stores, moves and drops
-after it."""
+after it, then the step's promotions ahead of need (on the loader, into the slots those jobs
+freed)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.config import KVCacheConfig
 from prefixmesh.kernels.ops import PagedKVCache
 from prefixmesh.replica.kvcache.connector_stats import USABLE
@@ -64,7 +66,10 @@ class WorkerSide:
         self._store = TierStore(cache, cpu_blocks, disk, shared)
         if settings.async_loads:
             self._loader = BackgroundLoader(
-                self._store.load, nice=settings.load_thread_nice, device=cache.layout.device
+                self._store.load,
+                prefetch=self._store.prefetch,
+                nice=settings.load_thread_nice,
+                device=cache.layout.device,
             )
         if self._layerwise:
             self._layers = LayerCopier(list(kv_caches), self._store.copy_layer)
@@ -107,6 +112,14 @@ class WorkerSide:
     def run(self, plan: StepPlan) -> None:
         if plan.jobs and self._store is not None:
             self._store.run(plan.jobs)
+        for prefetch in plan.prefetches:
+            if self._loader is None:  # the scheduler's settings are ours: never happens
+                continue
+            self._loader.submit_prefetch(prefetch)
+
+    def take_prefetched(self) -> dict[int, list[BlockHash]]:
+        """Promotions run since the last call: batch -> the blocks that failed."""
+        return self._loader.take_prefetched() if self._loader is not None else {}
 
     def take_failed(self) -> set[int]:
         failed, self._failed = self._failed, set()

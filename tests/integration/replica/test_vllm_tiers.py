@@ -63,7 +63,7 @@ def model_path(cfg: PrefixmeshConfig) -> Path:
     return ensure_demo_model(Path(cfg.cache_dir).expanduser() / "models", "tiny")
 
 
-async def start_engine(cfg: PrefixmeshConfig, changes: list[BlockChange]):  # type: ignore[no-untyped-def]
+async def start_engine(cfg: PrefixmeshConfig, changes: list[BlockChange], step_tokens: int = 8192):  # type: ignore[no-untyped-def]
     from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
     from prefixmesh.replica.kvcache.connector import connector_extra_config
 
@@ -76,6 +76,7 @@ async def start_engine(cfg: PrefixmeshConfig, changes: list[BlockChange]):  # ty
         tensor_parallel_size=1,
         cpu_core=None,
         calibrate=False,
+        max_num_batched_tokens=step_tokens,
         kv_connector_extra=connector_extra_config(cfg, 3000.0),
     )
     engine = VllmEngine(settings, make_hasher(cfg), changes.extend)
@@ -228,6 +229,63 @@ def test_cpu_tier_hits_load_layer_by_layer_inside_their_step_exactly() -> None:
     assert counts["layer_loads"] == 2, counts
     assert counts["async_loads"] == 0, counts
     assert counts["cpu_loads"] == 2 * PROMPT_BLOCKS, counts
+
+
+def test_a_request_waiting_behind_a_long_prefill_has_its_disk_blocks_promoted_first(
+    workdir: Path,
+) -> None:
+    """Issue 16, item 2: while a long prompt's prefill spends every step's token budget (so
+    vLLM looks at no waiting request and the loader idles), the disk blocks of the request
+    waiting behind it are promoted into the CPU tier; when its turn comes it loads them from
+    memory, not disk, with exactly the output of an engine-cache hit."""
+    cfg = load_config(
+        None,
+        {
+            "cache": {"block_size": BLOCK},  # the engine's, below
+            "kvcache": {
+                "policy": "lru",
+                "cpu_tier_gib": PROMPT_BLOCKS * PAGE_BYTES / 2**30,  # one prompt's worth
+                "disk_tier_gib": 256 * PAGE_BYTES / 2**30,
+                "disk_dir": str(workdir / "kv-prefetch"),
+                "load_thread_nice": 0,  # (a busy CI machine never starves the promotion)
+            },
+        },
+    )
+    model_path(cfg)
+    rng = random.Random(2)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(3, 8000) for _ in range(n))
+
+    prompts = [tokens(PROMPT_BLOCKS * BLOCK + 3) for _ in range(PROMPTS)]
+    long_prompt = tokens(30 * BLOCK)  # 30 steps of one block each
+    full = PROMPT_BLOCKS * BLOCK
+
+    async def run() -> tuple[dict[str, int], list[int], list[int], int, int]:
+        engine = await start_engine(cfg, [], step_tokens=BLOCK)
+        try:
+            reference = await computed_then_hit(engine, prompts)
+            # Prompt 0 left the engine and (four prompts later) the CPU tier: it is on disk.
+            before = dict.fromkeys(("cpu_loads", "disk_loads", "prefetched"), 0)
+            before.update(engine.load().connector_stats)
+            first = asyncio.create_task(ask(engine, "long", long_prompt))
+            await asyncio.sleep(0.05)  # (its first chunk is scheduled before the next arrives)
+            tokens0, cached = await ask(engine, "waiting", prompts[0])
+            await first
+            await ask(engine, "after", tuple(range(3, 19)))
+            counts = dict.fromkeys(("cpu_loads", "disk_loads", "prefetched"), 0)
+            counts.update(engine.load().connector_stats)
+            moved = {key: counts.get(key, 0) - value for key, value in before.items()}
+            return moved, tokens0, reference[0], cached, before["disk_loads"]
+        finally:
+            await engine.shutdown()
+
+    moved, tokens0, reference, cached, _ = asyncio.run(run())
+    assert cached == full
+    assert tokens0 == reference
+    assert moved["prefetched"] == PROMPT_BLOCKS, moved
+    assert moved["disk_loads"] == 0, moved  # every block came from memory
+    assert moved["cpu_loads"] == PROMPT_BLOCKS, moved
 
 
 def test_a_replica_serves_a_prefix_another_computed_from_the_shared_tier_exactly(

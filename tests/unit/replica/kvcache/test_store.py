@@ -13,7 +13,14 @@ from prefixmesh.cache_registry.types import BlockHash, Tier
 from prefixmesh.kernels.ops import PagedKVCache
 from prefixmesh.replica.kvcache.disk import DiskTier
 from prefixmesh.replica.kvcache.folders import block_path
-from prefixmesh.replica.kvcache.planner import DropJob, LoadJob, MoveJob, ShareJob, StoreJob
+from prefixmesh.replica.kvcache.planner import (
+    DropJob,
+    LoadJob,
+    MoveJob,
+    Prefetch,
+    ShareJob,
+    StoreJob,
+)
 from prefixmesh.replica.kvcache.store import TierStore, slot_runs
 
 B = BlockHash
@@ -209,3 +216,43 @@ def test_a_block_one_replica_shares_loads_bit_exact_into_another_replica(
     assert failed == [missing]
     assert_same(block(other, 5), original)
     reader.close()
+
+
+def test_a_promotion_reads_disk_blocks_into_free_slots_bit_exact_and_names_the_torn(
+    engine: list[torch.Tensor], tmp_path: Path
+) -> None:
+    s = store(engine, tmp_path, cpu_blocks=2)
+    originals = {i: block(engine, i) for i in (1, 2)}
+    s.run(
+        [StoreJob(B(1), 1, Tier.DISK), StoreJob(B(2), 2, Tier.DISK), StoreJob(B(3), 3, Tier.DISK)]
+    )
+    assert s.disk is not None and s.disk.flush()
+    path = block_path(tmp_path, B(3))
+    path.write_bytes(path.read_bytes()[:-7])  # torn
+    # 4 is in no file; the shared folder is not there: both fail, and take no slot.
+    failed = s.prefetch(Prefetch(0, (B(1), B(3), B(4), B(2)), (False, False, False, False)))
+    assert sorted(failed) == [B(3), B(4)]
+    assert s.holds(Tier.CPU, B(1)) and s.holds(Tier.CPU, B(2)) and s.cpu_blocks == 2
+    assert s.prefetch(Prefetch(1, (B(9),), (True,))) == [B(9)]
+    for layer in engine:
+        layer.zero_()
+    assert s.load([LoadJob(B(1), Tier.CPU, 7), LoadJob(B(2), Tier.CPU, 8)]) == []
+    assert_same(block(engine, 7), originals[1])
+    assert_same(block(engine, 8), originals[2])
+    s.close()
+
+
+def test_a_promotion_with_no_free_slot_fails_and_a_held_block_keeps_its_slot(
+    engine: list[torch.Tensor], tmp_path: Path
+) -> None:
+    s = store(engine, tmp_path, cpu_blocks=1)
+    s.run([StoreJob(B(1), 1, Tier.DISK), StoreJob(B(2), 2)])
+    assert s.disk is not None and s.disk.flush()
+    assert s.prefetch(Prefetch(0, (B(1),), (False,))) == [B(1)]  # the slab is full
+    assert not s.holds(Tier.CPU, B(1))
+    s.run([StoreJob(B(1), 1, Tier.DISK), DropJob(B(2), Tier.CPU)])
+    assert s.disk.flush()
+    assert s.prefetch(Prefetch(1, (B(1),), (False,))) == []
+    assert s.prefetch(Prefetch(2, (B(1),), (False,))) == []  # held already: no second slot
+    assert s.cpu_blocks == 1
+    s.close()
