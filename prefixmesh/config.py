@@ -877,10 +877,10 @@ class KVCacheConfig(_Section):
     first step when the copy takes no longer than computing that step's tokens of it (Strata's
     balance), instead of waiting outside the batch. Disk and shared-folder loads never run in
     the step. CUDA engines copy a step's loads on the engine's stream as before."""
-    prefetch_blocks: int = Field(default=64, ge=0)
-    """With ``async_loads``: while no load runs, promote up to this many disk and shared-folder
-    blocks of a request still waiting in vLLM's queue into the CPU tier (one batch at a time),
-    so that its load is a memory copy when its turn comes (0: never)."""
+    prefetch_blocks: int = Field(default=256, ge=0)
+    """With ``async_loads``: while no load is queued, promote the disk and shared-folder blocks
+    of requests still waiting in vLLM's queue into the CPU tier, at most this many on their way
+    at once, so that their loads are memory copies when their turn comes (0: never)."""
     load_thread_nice: int = Field(default=10, ge=0, le=19)
     """Niceness of the loader thread (Linux, per thread): above the engine's, so a load takes
     the core only when the engine's compute threads leave it, and decode steps keep their pace."""

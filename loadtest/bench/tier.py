@@ -9,7 +9,9 @@ tier. Each variant runs its own engine on the same prompts; TTFT is measured at 
 (``AsyncLLM`` in this process), without HTTP or Ray in the way.
 
 ``--stall-check`` measures something else: whether requests already decoding keep their pace
-while another request's prefix loads from a tier (``stall.py``).
+while another request's prefix loads from a tier (``stall.py``). ``--queue-check``: what
+requests waiting behind a long prefill with their prefixes on disk pay for their first token,
+with and without their blocks promoted into the CPU tier while they wait (``queue_check.py``).
 
 Variants: ``none`` (the engine's cache alone), ``cpu`` (a CPU tier that holds every prefix;
 on CPU engines its loads run inside the step, layer by layer), ``cpu-beside`` (the same with
@@ -102,6 +104,17 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     stall.add_argument("--stall-tier", choices=("disk", "cpu"), default="disk")
     stall.add_argument("--decoders", type=int, default=4)
     stall.add_argument("--decode-tokens", type=int, default=800)
+    queue = p.add_argument_group("queue check (loadtest/bench/queue_check.py)")
+    queue.add_argument(
+        "--queue-check",
+        action="store_true",
+        help="instead of the variants: requests waiting behind a long prefill, prefixes on disk,"
+        " with kvcache.prefetch_blocks 0 and --queue-prefetch-blocks",
+    )
+    queue.add_argument("--queue-waiting", type=int, default=4, help="waiting requests a round")
+    queue.add_argument("--queue-long-tokens", type=int, default=3968)
+    queue.add_argument("--queue-step-tokens", type=int, default=512, help="the step's budget")
+    queue.add_argument("--queue-prefetch-blocks", type=int, default=64)
     args = p.parse_args(argv)
     if args.prefix_tokens % args.block_size or args.prefix_tokens <= 0:
         p.error("--prefix-tokens must be a positive multiple of --block-size")
@@ -129,6 +142,7 @@ async def start_engine(
     kv_cache_bytes: int,
     kvcache: dict[str, Any],
     max_model_len: int | None = None,
+    step_tokens: int = 8192,
 ) -> Any:
     """A started ``VllmEngine`` (in this process's event loop) with these ``kvcache`` settings
     for our KV connector (none when no tier is on)."""
@@ -148,6 +162,7 @@ async def start_engine(
         tensor_parallel_size=1,
         cpu_core=None,
         calibrate=False,
+        max_num_batched_tokens=step_tokens,
         kv_connector_extra=extra,
     )
     engine = VllmEngine(settings, make_hasher(cfg), lambda changes: None)
@@ -263,6 +278,8 @@ def main(argv: list[str], prog: str = "tier-bench") -> int:
     model_path = ensure_demo_model(Path(cfg.cache_dir).expanduser() / "models", args.model_size)
     if args.stall_check:
         return stall_check(args, model_path)
+    if args.queue_check:
+        return queue_check(args, model_path)
     results: list[VariantResult] = []
     with tempfile.TemporaryDirectory(prefix="prefixmesh-tiers-") as scratch:
         disk_dir = Path(args.disk_dir) if args.disk_dir else Path(scratch)
@@ -298,5 +315,28 @@ def stall_check(args: argparse.Namespace, model_path: Path) -> int:
             "decode_step_ratio": summaries[0]["decode_step_ratio"],
             "runs": summaries,
         }
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def queue_check(args: argparse.Namespace, model_path: Path) -> int:
+    from prefixmesh.loadtest.bench.queue_check import run_queue
+
+    summaries: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="prefixmesh-queue-") as scratch:
+        disk_dir = Path(args.disk_dir) if args.disk_dir else Path(scratch)
+        for blocks in (0, args.queue_prefetch_blocks):
+            result = asyncio.run(run_queue(args, model_path, disk_dir, blocks))
+            summaries.append(result.summary())
+            print(json.dumps(summaries[-1]), flush=True)
+    without, with_ = summaries
+    ratios = {
+        "after_long_ratio": round(with_["after_long_ms_mean"] / without["after_long_ms_mean"], 3),
+        "ttft_ratio": round(with_["ttft_ms_mean"] / without["ttft_ms_mean"], 3),
+        "long_ttft_ratio": round(with_["long_ttft_ms_mean"] / without["long_ttft_ms_mean"], 3),
+    }
+    print(json.dumps(ratios), flush=True)
+    if args.json:
+        out = {"args": vars(args), **ratios, "runs": summaries}
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

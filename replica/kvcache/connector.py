@@ -31,6 +31,7 @@ replicas); the engine passes ``connector_extra_config`` below as ``kv_connector_
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -78,6 +79,12 @@ logger = logging.getLogger(__name__)
 CONNECTOR_NAME = "PrefixmeshConnector"
 CONNECTOR_MODULE = __name__
 
+
+PREFETCH_BATCH = 64
+"""Blocks one promotion reads at most: a request's load that comes meanwhile waits behind no
+more than that on the loader."""
+PREFETCH_LOOKAHEAD = 16
+"""Waiting requests looked at for blocks to promote, oldest first."""
 
 WAITING_SOCKET = "waiting_socket"
 """Extra-config key: where the replica sends notices of the requests it holds back (optional;
@@ -501,18 +508,25 @@ class _SchedulerSide:
         )
 
     def _prefetch_ahead(self) -> None:
-        """While the loader idles (no load queued, no promotion on its way), promote the disk
-        blocks of the oldest waiting request that has any into the CPU tier."""
+        """While no load is queued, promote the disk blocks of the oldest waiting requests into
+        the CPU tier, up to ``kvcache.prefetch_blocks`` on their way at once, in batches a load
+        coming meanwhile waits behind at most one of."""
         planner = self.planner
-        if not self._prefetch_blocks or planner.prefetching or planner.backlog_s > 0:
+        room = self._prefetch_blocks - planner.prefetching
+        if room <= 0 or planner.backlog_s > 0 or not self._waiting:
             return
         if self._shared is not None:
             planner.shared_view(self._shared.blocks)
         size = self._c._block_size
-        for state in self._waiting.values():
+        for state in itertools.islice(self._waiting.values(), PREFETCH_LOOKAHEAD):
             usable = (state.request.num_tokens - 1) // size  # vLLM computes the last token
             refs = chain_refs(state.blocks[:usable])
-            if planner.prefetch(state.request.request_id, refs, self._prefetch_blocks):
+            request_id = state.request.request_id
+            while room > 0 and (
+                planned := planner.prefetch(request_id, refs, min(PREFETCH_BATCH, room))
+            ):
+                room -= planned
+            if room <= 0:
                 return
 
     def prefetched(self, report: PrefetchReport) -> None:

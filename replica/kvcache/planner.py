@@ -428,9 +428,9 @@ class TierPlanner:
     # ---- promotion ahead of need ---------------------------------------------------------------
 
     @property
-    def prefetching(self) -> bool:
-        """A promotion is on its way (one at a time: the loader's requests come first)."""
-        return bool(self._batches)
+    def prefetching(self) -> int:
+        """Blocks whose promotion is on its way."""
+        return len(self._arriving)
 
     def prefetch(self, request_id: str, refs: Sequence[BlockRef], limit: int) -> int:
         """Promote the disk and shared-folder blocks of ``refs`` (waiting ``request_id``'s
@@ -462,8 +462,9 @@ class TierPlanner:
             self._batches[batch] = tuple(chosen)
             blocks = tuple(ref.block for ref in chosen)
             self._prefetches.append(Prefetch(batch, blocks, tuple(sources)))
+            kept = tuple(dict.fromkeys((*self._kept.get(request_id, ()), *held, *blocks)))
             self.release(request_id)
-            self._kept[request_id] = kept = (*held, *blocks)
+            self._kept[request_id] = kept
             for block in kept:
                 self._kept_pins[block] = self._kept_pins.get(block, 0) + 1
         return len(chosen)

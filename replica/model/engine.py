@@ -37,6 +37,7 @@ happened (``CacheChanged``, ``FirstToken``, ``Finished``), oldest first.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ from prefixmesh.replica.model.records import (
     RequestRecord,
 )
 from prefixmesh.wire.replica_report import extra_attention_pairs
+
+PROMOTE_LOOKAHEAD = 16
+"""Waiting requests looked at, oldest first, for blocks to promote ahead of their turn."""
 
 _WAITING, _HELD, _PREFILL, _DECODE, _DONE = range(5)
 
@@ -167,6 +171,7 @@ class EngineModel:
         self._load_s = profile.cpu_load_s_per_block * inverse
         self._shared_load_s = profile.shared_load_s_per_block * inverse
         self._async_loads = profile.async_loads
+        self._prefetch_blocks = profile.prefetch_blocks if profile.async_loads else 0
         self._link_free_s = -math.inf
         """When the loads handed to the loader so far are done (they run one at a time)."""
         self._ready: list[float] = []
@@ -358,6 +363,8 @@ class EngineModel:
             n = min(req.spec.prompt_tokens - req.num_computed, budget)
             chunks.append((req, n))
             budget -= n
+        if waiting and self._link_free_s <= now_s and self._prefetch_blocks:
+            self._promote_ahead(now_s)
         batch = self._num_decoding
         base_s = self._overhead_s + (
             self._weights_s + batch * self._decode_s + self._decode_context * self._kv_read_s
@@ -379,6 +386,20 @@ class EngineModel:
             return
         stretch.end_s = now_s + stretch.elapsed_after(stretch.num_steps)
         self._stretch = stretch
+
+    def _promote_ahead(self, now_s: float) -> None:
+        """The link idles and requests wait: the oldest ones' shared-tier blocks are read into
+        the CPU tier, up to ``prefetch_blocks`` (the connector's promotion ahead of need). The
+        read occupies the link, so a load that comes meanwhile waits for it."""
+        room = self._prefetch_blocks
+        for req in itertools.islice(self._waiting, PROMOTE_LOOKAHEAD):
+            spec = req.spec
+            limit = (spec.prompt_tokens - 1) // self.block_size
+            room -= self.cache.promote(spec.key.block_hashes, limit, room)
+            if room <= 0:
+                break
+        if room < self._prefetch_blocks:
+            self._link_free_s = now_s + (self._prefetch_blocks - room) * self._shared_load_s
 
     def _yield_above(self, now_s: float) -> int | None:
         """The waiting queue head's priority if it is more urgent than a prefill in progress

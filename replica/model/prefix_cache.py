@@ -284,6 +284,34 @@ class PrefixCache:
         self._private += num_private
         return True
 
+    def promote(self, hashes: Sequence[BlockHash], max_blocks: int, limit: int) -> int:
+        """Read up to ``limit`` of the shared-tier blocks among the leading blocks of
+        ``hashes`` (at most ``max_blocks``) that some tier holds into the CPU tier, as the KV
+        connector promotes a waiting request's blocks ahead of its turn. Returns how many the
+        CPU tier took."""
+        cpu, shared = self.cpu, self.shared
+        if cpu is None or shared is None or limit <= 0:
+            return 0
+        refs = chain_refs(hashes[: max(0, min(max_blocks, len(hashes)))])
+        wanted = []
+        for ref in refs:
+            block = ref.block
+            if block in self._refs or block in cpu:
+                continue
+            if block not in shared:
+                break
+            wanted.append(ref)
+            if len(wanted) >= limit:
+                break
+        if not wanted:
+            return 0
+        added, dropped = cpu.write(wanted)
+        if added:
+            self._changes.append(CacheChange(EventKind.STORED, Tier.CPU, tuple(added)))
+        if dropped:
+            self._changes.append(CacheChange(EventKind.REMOVED, Tier.CPU, tuple(dropped)))
+        return len(added)
+
     def store(self, hashes: Sequence[BlockHash], start: int = 0) -> list[BlockHash]:
         """A running request finished computing ``hashes[start:]`` (the earlier ones are its
         hit) in its private blocks: cache them.

@@ -12,7 +12,7 @@ import pytest
 
 from prefixmesh.cache_registry.types import BlockHash, EventKind, PrefixKey, Tier
 from prefixmesh.replica.model.engine import EngineModel
-from prefixmesh.replica.model.prefix_cache import CacheChange
+from prefixmesh.replica.model.prefix_cache import CacheChange, SharedTier
 from prefixmesh.replica.model.profile import EngineProfile
 from prefixmesh.replica.model.records import (
     CacheChanged,
@@ -370,6 +370,33 @@ def test_loads_beside_the_batch_do_not_slow_the_running_requests() -> None:
     assert inside["d"].finish_s - beside["d"].finish_s == pytest.approx(loaded)
     # c itself joins the batch only once its blocks are in.
     assert beside["c"].first_token_s >= beside["c"].admitted_s + loaded + 1.0
+
+
+def test_a_waiting_requests_shared_blocks_are_read_into_the_cpu_tier_while_it_waits() -> None:
+    """While a long prefill spends every step's budget, the link would idle: the waiting
+    request's shared-tier blocks are promoted into the CPU tier, so once its turn comes it
+    loads them from memory instead of reading the shared tier then."""
+
+    def run(prefetch_blocks: int) -> RequestRecord:
+        shared = SharedTier(8)
+        shared.write([BlockHash(1), BlockHash(2)])  # another replica computed them
+        profile = replace(
+            TINY,
+            cpu_blocks=8,
+            cpu_load_s_per_block=0.01,
+            shared_load_s_per_block=0.5,
+            prefetch_blocks=prefetch_blocks,
+        )
+        engine = EngineModel(profile, shared=shared)
+        engine.submit(request("long", (), prompt=32, output=1), 0.0)  # 4 steps of 2 s
+        engine.submit(request("w", (1, 2), prompt=9, output=1), 0.0)
+        return records(drain(engine))["w"]
+
+    ahead, then = run(64), run(0)
+    assert (ahead.cpu_cached_tokens, ahead.shared_cached_tokens) == (8, 0)
+    assert (then.cpu_cached_tokens, then.shared_cached_tokens) == (0, 8)
+    assert ahead.admitted_s == then.admitted_s == 8.0
+    assert then.first_token_s - ahead.first_token_s == pytest.approx(2 * (0.5 - 0.01))
 
 
 def test_misuse_is_refused() -> None:

@@ -213,3 +213,19 @@ def test_the_shared_tier_evicts_its_least_recent_block_for_the_cluster() -> None
         CacheChange(EventKind.REMOVED, Tier.DISK, (1, 3)),
     ]
     assert len(shared) == 2
+
+
+def test_promote_reads_the_shared_blocks_of_a_chain_into_the_cpu_tier_up_to_a_gap() -> None:
+    shared = SharedTier(8)
+    shared.write(h(2, 3, 5))
+    cache = PrefixCache(8, cpu_blocks=2, shared=shared)
+    run_request(cache, h(1))  # 1 in the engine tier
+    cache.take_changes()
+    # 1 is held already; 2 and 3 come up; 4 is nowhere, so 5 would be of no use.
+    assert cache.promote(h(1, 2, 3, 4, 5), max_blocks=5, limit=8) == 2
+    assert cache.holds(BlockHash(2)) is cache.holds(BlockHash(3)) is Tier.CPU
+    assert cache.take_changes() == [CacheChange(EventKind.STORED, Tier.CPU, (2, 3))]
+    assert cache.match(h(1, 2, 3), 3).num_cpu_blocks == 2
+    assert cache.promote(h(1, 2, 3), max_blocks=3, limit=8) == 0  # nothing left to read
+    assert cache.promote(h(5), max_blocks=1, limit=0) == 0
+    assert PrefixCache(8, shared=shared).promote(h(2), 1, 8) == 0  # no CPU tier: nowhere to go

@@ -152,3 +152,22 @@ def test_what_a_waiting_request_needs_stays_in_the_cpu_tier_until_it_leaves_the_
     assert p.tier_of(B(8)) is Tier.CPU and p.size(Tier.CPU) == 2
     p.release("w")  # (twice, or a request that kept nothing: nothing happens)
     p.release("other")
+
+
+def test_a_long_prompt_is_promoted_in_several_batches_and_keeps_them_all() -> None:
+    p = on_disk(cpu=4, disk=8, blocks=3)
+    assert p.prefetch("w", chain(1, 2, 3), limit=2) == 2
+    assert p.prefetch("w", chain(1, 2, 3), limit=2) == 1  # the rest: 1 and 2 are on their way
+    plan = p.take_plan()
+    assert [f.blocks for f in plan.prefetches] == [(B(1), B(2)), (B(3),)]
+    assert p.prefetching == 3
+    p.prefetched(1, failed=())
+    p.prefetched(0, failed=())
+    assert p.prefetching == 0
+    p.take_plan()
+    store_each(p, 7, 8)  # each takes the one slot not w's (8 pushes 7 down, as 7 did 103)
+    assert p.tier_of(B(7)) is Tier.DISK and p.tier_of(B(8)) is Tier.CPU
+    assert all(p.tier_of(B(b)) is Tier.CPU for b in (1, 2, 3))
+    p.release("w")
+    store_each(p, 9)
+    assert sum(p.tier_of(B(b)) is Tier.CPU for b in (1, 2, 3)) == 2  # one of w's went
