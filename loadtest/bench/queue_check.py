@@ -93,6 +93,7 @@ async def run_queue(
             "disk_tier_gib": all_gib,
             "disk_dir": str(disk_dir / variant),
             "prefetch_blocks": prefetch_blocks,
+            "layerwise_loads": not args.queue_beside,
         },
         max_model_len=max(args.queue_long_tokens, args.prefix_tokens + QUESTION_TOKENS) + 64,
         step_tokens=args.queue_step_tokens,

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.config import ENGINE_BLOCK_SIZES, load_config
+from prefixmesh.config import ENGINE_BLOCK_SIZES, KVCacheConfig, load_config
 
 QUESTION_TOKENS = 32
 VARIANTS = ("none", "cpu", "cpu-beside", "disk")
@@ -114,7 +114,24 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     queue.add_argument("--queue-waiting", type=int, default=4, help="waiting requests a round")
     queue.add_argument("--queue-long-tokens", type=int, default=3968)
     queue.add_argument("--queue-step-tokens", type=int, default=512, help="the step's budget")
-    queue.add_argument("--queue-prefetch-blocks", type=int, default=64)
+    queue.add_argument(
+        "--queue-prefetch-blocks",
+        type=int,
+        default=KVCacheConfig().prefetch_blocks,
+        help="kvcache.prefetch_blocks of the variant with promotions (default: the config's)",
+    )
+    queue.add_argument(
+        "--queue-beside",
+        action="store_true",
+        help="both variants with kvcache.layerwise_loads off: every load beside the batch",
+    )
+    queue.add_argument(
+        "--queue-runs",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: both variants twice, in the order without, with, with, without",
+    )
     args = p.parse_args(argv)
     if args.prefix_tokens % args.block_size or args.prefix_tokens <= 0:
         p.error("--prefix-tokens must be a positive multiple of --block-size")
@@ -322,18 +339,24 @@ def stall_check(args: argparse.Namespace, model_path: Path) -> int:
 def queue_check(args: argparse.Namespace, model_path: Path) -> int:
     from prefixmesh.loadtest.bench.queue_check import run_queue
 
+    with_blocks = args.queue_prefetch_blocks
+    order = (0, with_blocks) if args.queue_runs == 1 else (0, with_blocks, with_blocks, 0)
     summaries: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="prefixmesh-queue-") as scratch:
-        disk_dir = Path(args.disk_dir) if args.disk_dir else Path(scratch)
-        for blocks in (0, args.queue_prefetch_blocks):
+        for run, blocks in enumerate(order):
+            disk_dir = Path(args.disk_dir or scratch) / f"run{run}"
             result = asyncio.run(run_queue(args, model_path, disk_dir, blocks))
             summaries.append(result.summary())
             print(json.dumps(summaries[-1]), flush=True)
-    without, with_ = summaries
+
+    def mean_of(key: str, blocks: int) -> float:
+        return statistics.fmean(s[key] for s in summaries if s["prefetch_blocks"] == blocks)
+
     ratios = {
-        "after_long_ratio": round(with_["after_long_ms_mean"] / without["after_long_ms_mean"], 3),
-        "ttft_ratio": round(with_["ttft_ms_mean"] / without["ttft_ms_mean"], 3),
-        "long_ttft_ratio": round(with_["long_ttft_ms_mean"] / without["long_ttft_ms_mean"], 3),
+        f"{name}_ratio": round(
+            mean_of(f"{name}_ms_mean", with_blocks) / mean_of(f"{name}_ms_mean", 0), 3
+        )
+        for name in ("after_long", "ttft", "long_ttft")
     }
     print(json.dumps(ratios), flush=True)
     if args.json:

@@ -31,7 +31,6 @@ replicas); the engine passes ``connector_extra_config`` below as ``kv_connector_
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
 from prefixmesh.config import KVCacheConfig, PrefixmeshConfig
 from prefixmesh.replica.kv_events import OWN_EVENTS
+from prefixmesh.replica.kvcache.ahead import AheadOfNeed, WaitingPrompt
 from prefixmesh.replica.kvcache.connector_stats import (
     USABLE,
     PrefixmeshConnectorStats,
@@ -65,7 +65,7 @@ from prefixmesh.replica.kvcache.policy.base import chain_refs
 from prefixmesh.replica.kvcache.prefill_rate import PrefillRateMeter
 from prefixmesh.replica.kvcache.shared import SharedDirIndex
 from prefixmesh.replica.kvcache.waiting_channel import NoticeReceiver, OutsideWaits
-from prefixmesh.replica.kvcache.worker_report import PrefetchReport, PrefetchTally
+from prefixmesh.replica.kvcache.worker_report import PrefetchReport
 from prefixmesh.replica.kvcache.worker_side import WorkerFolders, WorkerSide
 
 if TYPE_CHECKING:
@@ -79,12 +79,6 @@ logger = logging.getLogger(__name__)
 CONNECTOR_NAME = "PrefixmeshConnector"
 CONNECTOR_MODULE = __name__
 
-
-PREFETCH_BATCH = 64
-"""Blocks one promotion reads at most: a request's load that comes meanwhile waits behind no
-more than that on the loader."""
-PREFETCH_LOOKAHEAD = 16
-"""Waiting requests looked at for blocks to promote, oldest first."""
 
 WAITING_SOCKET = "waiting_socket"
 """Extra-config key: where the replica sends notices of the requests it holds back (optional;
@@ -249,7 +243,7 @@ class PrefixmeshConnector(KVConnectorBase_V1):
             self._scheduler.load_finished(request_id)
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, PrefetchReport):
-            self._scheduler.prefetched(report)
+            self._scheduler.ahead.reported(report)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -346,6 +340,11 @@ class _SchedulerSide:
             share=shared_blocks > 0,
             step_tokens=connector._step_tokens,
         )
+        self.ahead = AheadOfNeed(
+            self.planner,
+            settings.prefetch_blocks if settings.async_loads else 0,
+            connector._ranks,
+        )
         self._shared: SharedDirIndex | None = None
         if shared_blocks:
             self._shared = SharedDirIndex(
@@ -356,10 +355,6 @@ class _SchedulerSide:
             found = scan(connector._rank_dir(0), connector._layout_tag, page_bytes)
             self.planner.restore(Tier.DISK, [entry.block for entry in found])
         self._async_loads = settings.async_loads
-        self._prefetch_blocks = settings.prefetch_blocks if settings.async_loads else 0
-        self._waiting: dict[str, _RequestState] = {}
-        """vLLM's waiting queue, oldest first: the requests a promotion ahead may serve."""
-        self._prefetch_tally = PrefetchTally(connector._ranks)
         self._layerwise = layerwise_loads(settings, connector._device_type)
         self._step_tokens = connector._step_tokens
         self._requests: dict[str, _RequestState] = {}
@@ -406,7 +401,8 @@ class _SchedulerSide:
         """A request joined the engine's waiting queue: its blocks are hashed, and a lookahead
         hears what it is about to load."""
         state = self._state(request)
-        self._waiting[request.request_id] = state
+        usable = (request.num_tokens - 1) // self._c._block_size  # vLLM computes the last token
+        self.ahead.waiting(WaitingPrompt(request.request_id, state.blocks, usable))
         if self._queue is not None:
             self.hear_outside()  # its own wait outside ends before it arrives here
             self._queue.queued(request.request_id, state.blocks)
@@ -418,8 +414,7 @@ class _SchedulerSide:
 
     def started(self, request_id: str) -> None:
         """It left the waiting queue (its blocks are allocated, or it finished waiting)."""
-        self._waiting.pop(request_id, None)
-        self.planner.release(request_id)
+        self.ahead.left(request_id)
         if self._queue is not None:
             self._queue.started(request_id)
 
@@ -493,7 +488,9 @@ class _SchedulerSide:
             state.offered = end
         for req_id in output.finished_req_ids:
             self._requests.pop(req_id, None)
-        self._prefetch_ahead()
+        if self._shared is not None:
+            self.planner.shared_view(self._shared.blocks)
+        self.ahead.plan()
         # The next step carries the running batch: a decode step (measured) and the prefills
         # it continues, the compute its layer-by-layer loads hide under.
         prefilling = 0
@@ -506,32 +503,6 @@ class _SchedulerSide:
             carried_s=meter.decode_step_s if output.num_scheduled_tokens else 0.0,
             carried_tokens=prefilling,
         )
-
-    def _prefetch_ahead(self) -> None:
-        """While no load is queued, promote the disk blocks of the oldest waiting requests into
-        the CPU tier, up to ``kvcache.prefetch_blocks`` on their way at once, in batches a load
-        coming meanwhile waits behind at most one of."""
-        planner = self.planner
-        room = self._prefetch_blocks - planner.prefetching
-        if room <= 0 or planner.backlog_s > 0 or not self._waiting:
-            return
-        if self._shared is not None:
-            planner.shared_view(self._shared.blocks)
-        size = self._c._block_size
-        for state in itertools.islice(self._waiting.values(), PREFETCH_LOOKAHEAD):
-            usable = (state.request.num_tokens - 1) // size  # vLLM computes the last token
-            refs = chain_refs(state.blocks[:usable])
-            request_id = state.request.request_id
-            while room > 0 and (
-                planned := planner.prefetch(request_id, refs, min(PREFETCH_BATCH, room))
-            ):
-                room -= planned
-            if room <= 0:
-                return
-
-    def prefetched(self, report: PrefetchReport) -> None:
-        for batch, failed in self._prefetch_tally.add(report):
-            self.planner.prefetched(batch, failed)
 
     def forget_failed(self, engine_blocks: set[int]) -> None:
         maps = [self._loaded, *self._loading.values()]
