@@ -877,10 +877,14 @@ class KVCacheConfig(_Section):
     first step when the copy takes no longer than computing that step's tokens of it (Strata's
     balance), instead of waiting outside the batch. Disk and shared-folder loads never run in
     the step. CUDA engines copy a step's loads on the engine's stream as before."""
-    prefetch_blocks: int = Field(default=256, ge=0)
+    prefetch_blocks: int = Field(default=0, ge=0)
     """With ``async_loads``: while no load is queued, promote the disk and shared-folder blocks
     of requests still waiting in vLLM's queue into the CPU tier, at most this many on their way
-    at once, so that their loads are memory copies when their turn comes (0: never)."""
+    at once, so that their loads are memory copies when their turn comes (0: never). Off by
+    default: on a CPU engine the promotions (and the CPU-tier victims they push down to disk)
+    slowed the prefill they ran beside by more than they saved (docs/BENCHMARKS.md, "Promoting
+    waiting requests' blocks ahead of their turn"); 256 is a starting point where the loader's
+    work does not share the engine's cores (not measured: no GPU was lent)."""
     load_thread_nice: int = Field(default=10, ge=0, le=19)
     """Niceness of the loader thread (Linux, per thread): above the engine's, so a load takes
     the core only when the engine's compute threads leave it, and decode steps keep their pace."""

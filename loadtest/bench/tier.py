@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.config import ENGINE_BLOCK_SIZES, KVCacheConfig, load_config
+from prefixmesh.config import ENGINE_BLOCK_SIZES, load_config
 
 QUESTION_TOKENS = 32
 VARIANTS = ("none", "cpu", "cpu-beside", "disk")
@@ -117,8 +117,8 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     queue.add_argument(
         "--queue-prefetch-blocks",
         type=int,
-        default=KVCacheConfig().prefetch_blocks,
-        help="kvcache.prefetch_blocks of the variant with promotions (default: the config's)",
+        default=256,
+        help="kvcache.prefetch_blocks of the variant with promotions",
     )
     queue.add_argument(
         "--queue-beside",

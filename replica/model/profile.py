@@ -60,10 +60,11 @@ class EngineProfile:
     async_loads: bool = True
     """Loads from the lower tiers run beside the batch (the KV connector's default); False:
     inside the step that admits the request, which then takes their time too."""
-    prefetch_blocks: int = 256
+    prefetch_blocks: int = 0
     """With ``async_loads``, a CPU tier and a shared tier: while the link idles, up to this many
     shared-tier blocks of the oldest waiting requests are read into the CPU tier ahead of their
-    turn (``kvcache.prefetch_blocks``; 0: never)."""
+    turn (``kvcache.prefetch_blocks``, off by default as there; 0: never). The model charges
+    the read to the link only, not to the step."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.kv_blocks <= 0:

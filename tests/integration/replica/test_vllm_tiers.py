@@ -247,6 +247,7 @@ def test_a_request_waiting_behind_a_long_prefill_has_its_disk_blocks_promoted_fi
                 "cpu_tier_gib": PROMPT_BLOCKS * PAGE_BYTES / 2**30,  # one prompt's worth
                 "disk_tier_gib": 256 * PAGE_BYTES / 2**30,
                 "disk_dir": str(workdir / "kv-prefetch"),
+                "prefetch_blocks": 256,
                 "load_thread_nice": 0,  # (a busy CI machine never starves the promotion)
             },
         },
