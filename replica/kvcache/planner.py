@@ -406,8 +406,7 @@ class TierPlanner:
         self._loading[request_id] = load
         self._async.append(load)
         self._backlog_s += load.seconds
-        for block in blocks:
-            self._loading_pins[block] = self._loading_pins.get(block, 0) + 1
+        _pin(self._loading_pins, blocks)
         self.counters.async_loads += 1
         return load.jobs
 
@@ -418,12 +417,7 @@ class TierPlanner:
         if load is None:
             return
         self._backlog_s = max(0.0, self._backlog_s - load.seconds) if self._loading else 0.0
-        for job in load.jobs:
-            left = self._loading_pins[job.block] - 1
-            if left:
-                self._loading_pins[job.block] = left
-            else:
-                del self._loading_pins[job.block]
+        _unpin(self._loading_pins, (job.block for job in load.jobs))
 
     # ---- promotion ahead of need ---------------------------------------------------------------
 
@@ -465,19 +459,13 @@ class TierPlanner:
             kept = tuple(dict.fromkeys((*self._kept.get(request_id, ()), *held, *blocks)))
             self.release(request_id)
             self._kept[request_id] = kept
-            for block in kept:
-                self._kept_pins[block] = self._kept_pins.get(block, 0) + 1
+            _pin(self._kept_pins, kept)
         return len(chosen)
 
     def release(self, request_id: str) -> None:
         """``request_id`` left the waiting queue (its loads pin what they read from here on):
         the blocks kept for it may be evicted again."""
-        for block in self._kept.pop(request_id, ()):
-            left = self._kept_pins[block] - 1
-            if left:
-                self._kept_pins[block] = left
-            else:
-                del self._kept_pins[block]
+        _unpin(self._kept_pins, self._kept.pop(request_id, ()))
 
     def prefetched(self, batch: int, failed: Collection[BlockHash]) -> None:
         """The worker ran promotion ``batch``; ``failed``: the blocks it could not read. The
@@ -609,3 +597,18 @@ class TierPlanner:
         if dropped:
             del self._ref[block]
         self._changes.append(TierChange(EventKind.REMOVED, tier, (block,)))
+
+
+def _pin(pins: dict[BlockHash, int], blocks: Iterable[BlockHash]) -> None:
+    """One more holder of each of ``blocks`` (counted: a block may have several)."""
+    for block in blocks:
+        pins[block] = pins.get(block, 0) + 1
+
+
+def _unpin(pins: dict[BlockHash, int], blocks: Iterable[BlockHash]) -> None:
+    for block in blocks:
+        left = pins[block] - 1
+        if left:
+            pins[block] = left
+        else:
+            del pins[block]

@@ -158,16 +158,19 @@ class TierStore:
                 continue
             pages = self._new_pages(len(blocks), torch.device("cpu"))
             _, ok = tier.get(blocks, _as_bytes(pages))
-            with self._slots_lock:
+            taken: list[tuple[int, BlockHash, int]] = []
+            with self._slots_lock:  # held briefly: the step's thread stores under it
                 for row, (block, fine) in enumerate(zip(blocks, ok, strict=True)):
                     if block in self._slot:
                         continue
-                    if not fine or not self._free:
-                        failed.append(block)
+                    if fine and self._free:
+                        taken.append((row, block, self._free.pop()))
                     else:
-                        slot = self._free.pop()
-                        self._slab[slot].copy_(pages[row])
-                        self._slot[block] = slot
+                        failed.append(block)
+            for row, _, slot in taken:  # slots no one else can see yet
+                self._slab[slot].copy_(pages[row])
+            with self._slots_lock:
+                self._slot.update((block, slot) for _, block, slot in taken)
         return failed
 
     def _new_pages(self, count: int, device: torch.device) -> torch.Tensor:
