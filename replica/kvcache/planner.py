@@ -468,9 +468,12 @@ class TierPlanner:
         _unpin(self._kept_pins, self._kept.pop(request_id, ()))
 
     def prefetched(self, batch: int, failed: Collection[BlockHash]) -> None:
-        """The worker ran promotion ``batch``; ``failed``: the blocks it could not read. The
-        others are the CPU tier's now. A block an asynchronous load still reads from this
-        replica's disk is not promoted (its file must stay until that read)."""
+        """The worker ran promotion ``batch``; ``failed``: the blocks it did not promote (an
+        unreadable file, or no free slot). The others are the CPU tier's now. A failed block
+        stays where it was: a torn file is deleted when read, and a load of it then fails and
+        is recomputed, as any load of a torn file; a sound one is not lost for want of a slot.
+        A block an asynchronous load still reads from this replica's disk is not promoted (its
+        file must stay until that read)."""
         for ref in self._batches.pop(batch, ()):
             block = ref.block
             del self._arriving[block]
@@ -478,8 +481,6 @@ class TierPlanner:
             if block in failed or block in self._loading_pins:
                 self._jobs.append(DropJob(block, Tier.CPU))  # frees whatever slot it took
                 self.counters.prefetch_failed += 1
-                if block in failed and tier is Tier.DISK:
-                    self.forget_failed([block], Tier.DISK)
                 continue
             if tier is Tier.DISK:
                 self._remove(Tier.DISK, block, dropped=False)
