@@ -42,16 +42,15 @@ class PrefetchTally:
 
     def __init__(self, ranks: int) -> None:
         self._ranks = ranks
-        self._seen: dict[int, tuple[int, frozenset[BlockHash]]] = {}
+        self._seen = PrefetchReport()
 
     def add(self, report: PrefetchReport) -> list[tuple[int, frozenset[BlockHash]]]:
         """The batches every rank has now run, each with the blocks that failed."""
-        complete = []
-        for batch, (ranks, failed) in report.batches.items():
-            have_ranks, have_failed = self._seen.pop(batch, (0, frozenset()))
-            ranks, failed = have_ranks + ranks, have_failed | failed
-            if ranks >= self._ranks:
-                complete.append((batch, failed))
-            else:
-                self._seen[batch] = (ranks, failed)
+        seen = self._seen.aggregate(report).batches
+        complete = [
+            (batch, failed) for batch, (ranks, failed) in seen.items() if ranks >= self._ranks
+        ]
+        for batch, _ in complete:
+            del seen[batch]
+        self._seen = PrefetchReport(seen)
         return complete

@@ -305,12 +305,7 @@ class PrefixCache:
                 break
         if not wanted:
             return 0
-        added, dropped = cpu.write(wanted)
-        if added:
-            self._changes.append(CacheChange(EventKind.STORED, Tier.CPU, tuple(added)))
-        if dropped:
-            self._changes.append(CacheChange(EventKind.REMOVED, Tier.CPU, tuple(dropped)))
-        return len(added)
+        return self._write_cpu(cpu, wanted)
 
     def store(self, hashes: Sequence[BlockHash], start: int = 0) -> list[BlockHash]:
         """A running request finished computing ``hashes[start:]`` (the earlier ones are its
@@ -363,8 +358,13 @@ class PrefixCache:
         self._changes.append(CacheChange(EventKind.REMOVED, Tier.GPU, tuple(removed)))
         if self.cpu is not None:
             chain = self._chain
-            added, dropped = self.cpu.write([chain.pop(block) for block in removed])
-            if added:
-                self._changes.append(CacheChange(EventKind.STORED, Tier.CPU, tuple(added)))
-            if dropped:
-                self._changes.append(CacheChange(EventKind.REMOVED, Tier.CPU, tuple(dropped)))
+            self._write_cpu(self.cpu, [chain.pop(block) for block in removed])
+
+    def _write_cpu(self, cpu: CpuTier, refs: Sequence[BlockRef]) -> int:
+        """Offer ``refs`` to the CPU tier and record what changed there; how many it took."""
+        added, dropped = cpu.write(refs)
+        if added:
+            self._changes.append(CacheChange(EventKind.STORED, Tier.CPU, tuple(added)))
+        if dropped:
+            self._changes.append(CacheChange(EventKind.REMOVED, Tier.CPU, tuple(dropped)))
+        return len(added)
