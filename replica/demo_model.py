@@ -49,7 +49,7 @@ class LlamaShape:
 
 
 SHAPES: dict[str, LlamaShape] = {
-    # ~6.6M parameters: a 2,000-token prefill takes ~70 ms on one CPU core (DESIGN.md §7).
+    # ~6.6M parameters: a 2,000-token prefill takes ~70 ms on one CPU core (docs/design.md §7).
     "tiny": LlamaShape(256, 512, 4, 4, 2),
     # ~88M parameters: prefill dominated by compute (~650 ms for 2,000 tokens on one core).
     "small": LlamaShape(768, 2048, 12, 12, 4),

@@ -15,7 +15,7 @@ TEST_REPLICA_DRAIN_S = 2.0
 deletion 31 s (6 of CI's 27 minutes); on one machine HAProxy drops a stopping replica at
 once, and retries a refused connection."""
 
-# Ray must listen and dial on 127.0.0.1 only (DESIGN.md §7), and Serve reads its HAProxy
+# Ray must listen and dial on 127.0.0.1 only (docs/design.md §7), and Serve reads its HAProxy
 # settings (the direct path) at import: set before any test imports ray.
 HAPROXY_RUN_DIR = configure_environment(ServingConfig(replica_drain_s=TEST_REPLICA_DRAIN_S))
 

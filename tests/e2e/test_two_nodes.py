@@ -237,7 +237,7 @@ def two_nodes() -> Iterator[TwoNodes]:
     }
     auth = {"Authorization": f"Bearer {token}"}
     # Ray turns 127.0.0.1 (a node's, or the head's address a worker joins) into the machine's
-    # own network address (DESIGN.md §7); RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which stops
+    # own network address (docs/design.md §7); RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which stops
     # that, also refuses to start worker nodes. Other loopback addresses Ray leaves as they
     # are: each node gets one, and every listener and connection stays on loopback.
     head = _start_node("head", HEAD_IP, WORKER_PORTS[0], [

@@ -195,7 +195,7 @@ def test_client_disconnect_aborts_the_request(cluster: Cluster) -> None:
 
 def test_everything_we_open_listens_on_loopback_only(cluster: Cluster) -> None:
     """Every listener of this process tree is on 127.0.0.1, except the one inter-deployment
-    gRPC server per Serve replica that Ray 2.60 binds on [::] (DESIGN.md §7) and HAProxy's
+    gRPC server per Serve replica that Ray 2.60 binds on [::] (docs/design.md §7) and HAProxy's
     stats page and Prometheus exporter, which Ray's HAProxy config binds on all interfaces
     (moved to free ports); HAProxy's HTTP frontend is on loopback."""
     loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
