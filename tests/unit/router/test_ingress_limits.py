@@ -17,18 +17,20 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from prefixmesh.api import prepare
+from prefixmesh.api.limits import RequestLimits
+from prefixmesh.api.prepare import FrontDoor
+from prefixmesh.api.prompts import PromptEncoder
+from prefixmesh.api.request_metrics import RequestMetrics
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.config import load_config
 from prefixmesh.router import ingress
 from prefixmesh.router.ingress import IngressServer
 from prefixmesh.router.ledger import LoadLedger
 from prefixmesh.wire import GenerateChunk, GenerateRequest
-from prefixmesh.wire.limits import RequestLimits
-from prefixmesh.wire.openai_render import PromptEncoder
-from prefixmesh.wire.request_metrics import RequestMetrics
-from tests.fakes.serve_ingress import bind, fast_tokenizer, spy, spy_global, user_class
+from tests.fakes.serve_ingress import bind, fast_tokenizer, spy
+from tests.unit.api.test_errors import openai_error
 from tests.unit.router.test_metrics import samples
-from tests.unit.test_wire_api_errors import openai_error
 
 MODEL = "demo-tiny"
 LIMITS = (
@@ -115,16 +117,19 @@ def proxy(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> Iterator[Ingress]:
         IngressServer,
         config=config,
         _replicas=_Replicas(),
-        _encoder=encoder,
-        _hasher=make_hasher(config),
+        _front=FrontDoor(
+            config.model,
+            RequestLimits.from_config(config, tokenizer),
+            encoder,
+            make_hasher(config),
+        ),
+        _decode=encoder.decode,
         _local=SimpleNamespace(ledger=LoadLedger(), lock=threading.Lock()),
         _metrics=RequestMetrics(),
-        _max_model_len=64,
-        _limits=RequestLimits.from_config(config, tokenizer),
         _created=0,
     )
     work = {
-        "parse": spy_global(monkeypatch, user_class(IngressServer)._serve, "parse_body"),
+        "parse": spy(monkeypatch, prepare, "parse_body"),
         "encode": spy(monkeypatch, encoder, "encode"),
         "encode_messages": spy(monkeypatch, encoder, "encode_messages"),
     }
@@ -225,7 +230,7 @@ def test_a_request_within_its_limits_is_served(proxy: Ingress) -> None:
 def test_with_api_keys_the_proxy_path_wants_one_before_it_reads_the_body(
     proxy: Ingress, tmp_path: Any
 ) -> None:
-    from prefixmesh.wire.auth import ApiKeys
+    from prefixmesh.api.auth import ApiKeys
 
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-alpha team-a\n")
@@ -244,9 +249,9 @@ def test_quotas_on_the_proxy_path_refuse_over_quota_and_settle_the_completion(
 ) -> None:
     """Issue 17: the ingress checks the key's tenant against its quota after tokenizing, and
     counts a request's completion when it ends (streamed or not), once whatever the retries."""
+    from prefixmesh.api.auth import ApiKeys
+    from prefixmesh.api.quota import MemoryQuotaStore, TenantQuotas
     from prefixmesh.config import QuotasConfig, TenantQuota
-    from prefixmesh.wire.auth import ApiKeys
-    from prefixmesh.wire.quota import MemoryQuotaStore, TenantQuotas
     from tests.unit.router.test_metrics import samples
 
     keys = tmp_path / "keys.txt"

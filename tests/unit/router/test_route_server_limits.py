@@ -14,15 +14,17 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from prefixmesh.api import prepare
+from prefixmesh.api.limits import RequestLimits
+from prefixmesh.api.prepare import FrontDoor
+from prefixmesh.api.prompts import PromptEncoder
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.config import load_config
 from prefixmesh.router import route_server
 from prefixmesh.router.route_server import TRUNCATED_HEADER, RouterServer
-from prefixmesh.wire.limits import RequestLimits
-from prefixmesh.wire.openai_render import PromptEncoder
-from tests.fakes.serve_ingress import bind, fast_tokenizer, spy, spy_global, user_class
+from tests.fakes.serve_ingress import bind, fast_tokenizer, spy
+from tests.unit.api.test_errors import openai_error
 from tests.unit.router.test_route_server import _Replicas
-from tests.unit.test_wire_api_errors import openai_error
 
 MODEL = "demo-tiny"
 LIMITS = (
@@ -67,17 +69,19 @@ def router(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> Iterator[Router]:
         RouterServer,
         config=config,
         _replicas=_Replicas("r1", "r1"),
-        _encoder=encoder,
-        _hasher=make_hasher(config),
+        _front=FrontDoor(
+            config.model,
+            RequestLimits.from_config(config, tokenizer),
+            encoder,
+            make_hasher(config),
+        ),
         _local=SimpleNamespace(metrics=SimpleNamespace(fell_back=fell_back.append)),
-        _max_model_len=64,
-        _limits=RequestLimits.from_config(config, tokenizer),
         _budget_s=5.0,
         routed=0,
         fallbacks=0,
     )
     work = {
-        "parse": spy_global(monkeypatch, user_class(RouterServer)._prepare, "parse_body"),
+        "parse": spy(monkeypatch, prepare, "parse_body"),
         "encode": spy(monkeypatch, encoder, "encode"),
         "encode_messages": spy(monkeypatch, encoder, "encode_messages"),
     }

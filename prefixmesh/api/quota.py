@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from prefixmesh.api.errors import APIError
+from prefixmesh.cache_registry.quota_rules import Admission, QuotaAsk, QuotaWindow, decide
 from prefixmesh.config import PrefixmeshConfig, QuotasConfig
-from prefixmesh.wire.openai_protocol import APIError
-from prefixmesh.wire.quota_rules import Admission, QuotaAsk, QuotaWindow, decide
 
 logger = logging.getLogger(__name__)
 
