@@ -98,10 +98,6 @@ class RequestContext:
 
 @serve.ingress(api)
 class IngressServer:
-    # A server built without __init__ (unit tests) has no keys and no quotas.
-    _keys: ApiKeys | None = None
-    _quotas: TenantQuotas | None = None
-
     def __init__(self, replicas: Any, config_json: str, model_path: str) -> None:
         from transformers import AutoTokenizer
 

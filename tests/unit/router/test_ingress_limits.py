@@ -9,26 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from prefixmesh import tracing
 from prefixmesh.api import prepare
-from prefixmesh.api.limits import RequestLimits
-from prefixmesh.api.prepare import FrontDoor
-from prefixmesh.api.prompts import PromptEncoder
-from prefixmesh.api.request_metrics import RequestMetrics
-from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.config import load_config
 from prefixmesh.router import ingress
 from prefixmesh.router.ingress import IngressServer
-from prefixmesh.router.ledger import LoadLedger
 from prefixmesh.wire import GenerateChunk, GenerateRequest
-from tests.fakes.serve_ingress import bind, fast_tokenizer, spy
+from tests.fakes.serve_ingress import build, model_folder, spy
 from tests.unit.api.test_errors import openai_error
 from tests.unit.router.test_metrics import samples
 
@@ -42,8 +38,8 @@ LIMITS = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return fast_tokenizer(tmp_path_factory.mktemp("tok"))
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_folder(tmp_path_factory.mktemp("tok"))
 
 
 class _Stream:
@@ -109,32 +105,21 @@ class Ingress:
 
 
 @pytest.fixture
-def proxy(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> Iterator[Ingress]:
-    config = load_config(overrides=list(LIMITS))
-    encoder = PromptEncoder(tokenizer)
-    server = bind(
-        monkeypatch,
-        IngressServer,
-        config=config,
-        _replicas=_Replicas(),
-        _front=FrontDoor(
-            config.model,
-            RequestLimits.from_config(config, tokenizer),
-            encoder,
-            make_hasher(config),
-        ),
-        _decode=encoder.decode,
-        _local=SimpleNamespace(ledger=LoadLedger(), lock=threading.Lock()),
-        _metrics=RequestMetrics(),
-        _created=0,
-    )
+def proxy(monkeypatch: pytest.MonkeyPatch, model: Path) -> Iterator[Ingress]:
+    # An app name of its own: the router's in-process state is one per app and process.
+    config = load_config(overrides=[*LIMITS, f"app_name=test-{uuid.uuid4().hex}"])
+    server = build(monkeypatch, IngressServer, _Replicas(), config.model_dump_json(), str(model))
+    encoder = server._front.tokenizer
     work = {
         "parse": spy(monkeypatch, prepare, "parse_body"),
         "encode": spy(monkeypatch, encoder, "encode"),
         "encode_messages": spy(monkeypatch, encoder, "encode_messages"),
     }
-    with TestClient(ingress.api) as client:
-        yield Ingress(server, client, work)
+    try:
+        with TestClient(ingress.api) as client:
+            yield Ingress(server, client, work)
+    finally:
+        tracing.reset()  # the constructor set tracing up (off) for the process
 
 
 def test_a_10_mb_body_is_refused_before_it_is_parsed(proxy: Ingress) -> None:
