@@ -1,8 +1,10 @@
 """The direct path's replica: the OpenAI API served by the replica itself, behind HAProxy.
 
 HAProxy forwards each POST here after our router picked this replica, with the decision as
-trusted headers (``RouteTicket``). The replica validates, tokenizes and hashes the prompt (and
-checks that its key matches the router's digest), waits out a hold, runs the engine and streams
+trusted headers (``RouteTicket``). The replica prepares the request through the front door the
+router used (``api/prepare.py``: parse, tokenize, sample, hash; only headers cross from the
+router, and the replica needs the ids, sampling and key itself), checks that its key matches
+the router's digest (one xxh64 of the block hashes), waits out a hold, runs the engine and streams
 server-sent events straight back. Nothing is sent before the first token: a replica that dies
 before it leaves HAProxy an empty response, and one whose engine fails before it answers 503;
 HAProxy sends both to another replica (``serving.retry_on`` with ``option redispatch``). After

@@ -11,8 +11,10 @@ and ours in front of them in turn). Each serves the OpenAI API (completions and 
 native protocol (``replica/engine_server.py``), through which Ray Serve replicas forward here.
 
 The engine is the replica's own (``replica/engines/``: sim or vLLM, built by the replica
-deployment's ``make_engine``); the OpenAI request models, rendering, detokenization and stop
-strings are the shared ones (``prefixmesh/api/``), and so are the limits checked before work
+deployment's ``make_engine``); the request is prepared by the front door every server uses
+(``api/prepare.py``: the same parsing, model check, tokens with their vocabulary check,
+sampling), and rendering, detokenization and stop strings are the shared ones
+(``prefixmesh/api/``), and so are the limits checked before work
 (``api/limits.py``: body size, prompt size, ``max_tokens``, the request's total time), the
 OpenAI JSON of every error (``api/errors.py``) and the API keys (``api/auth.py``), which
 guard the OpenAI API under ``/v1`` as vLLM's ``--api-key`` does. Token quotas are the cluster's

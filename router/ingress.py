@@ -1,7 +1,8 @@
 """The ingress: the OpenAI-compatible HTTP API on Ray Serve (FastAPI).
 
-It validates, applies the chat template, tokenizes and hashes the prompt once, and hands token
-ids and block keys to the replicas through a handle whose request router is ours. In the
+It prepares the request once through the front door (``api/prepare.py``: validation, chat
+template, tokens, sampling, key, priority), charges its tenant's quota, and hands token ids and
+block keys to the replicas through a handle whose request router is ours. In the
 in-process registry mode it also receives the replicas' cache events.
 
 Limits come before work (``api/limits.py``): a body over ``limits.max_body_bytes`` is refused

@@ -2,9 +2,10 @@
 
 HAProxy's Lua action forwards the client's body to ``POST /internal/route`` and pins the request
 to the replica named in the answer, setting the answer's ``request_headers`` on it as trusted
-headers (``wire/route_ticket.py``). Here the body is validated, templated, tokenized and hashed,
-and the replica handle's request router (ours, ``serve_router.py``: registry lookup, policy,
-claims, speculative entries) picks the replica without dispatching anything
+headers (``wire/route_ticket.py``). Here the front door (``api/prepare.py``) validates,
+templates, tokenizes and hashes the body, and the replica handle's request router (ours,
+``serve_router.py``: registry lookup, policy, claims, speculative entries) picks the replica
+without dispatching anything
 (``choose_replica(..., _reserve=False)``). The replica serves and streams the response itself.
 A claim the decision took stays here: this router's ledger releases it when a replica's report
 lists the request (``router/holds.py``).

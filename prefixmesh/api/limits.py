@@ -49,7 +49,8 @@ class BodySource(Protocol):
 class Prompted(Protocol):
     """A parsed OpenAI request, as ``admit`` reads it (``openai_protocol``)."""
 
-    prompt_param: str
+    @property
+    def prompt_param(self) -> str: ...
 
     def prompt_extent(self) -> tuple[int, bool]: ...
 

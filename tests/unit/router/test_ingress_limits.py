@@ -268,3 +268,28 @@ def test_quotas_on_the_proxy_path_refuse_over_quota_and_settle_the_completion(
         for kind in ("prompt", "completion")
     }
     assert tokens == {"prompt": 10, "completion": 4}
+
+
+def test_a_prompt_refused_after_tokenizing_is_not_charged_to_its_tenant(
+    proxy: Ingress, tmp_path: Any
+) -> None:
+    """Regression: the proxy path charged a prompt to its tenant's quota before it found the
+    prompt past the context (777570c: sampling came after the quota), a 400 that still counted;
+    the front door refuses it before the quota, as the direct path's replica always did."""
+    from prefixmesh.api.auth import ApiKeys
+    from prefixmesh.api.quota import MemoryQuotaStore, TenantQuotas
+    from prefixmesh.config import QuotasConfig, TenantQuota
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-alpha team-a\n")
+    server = proxy.server
+    server._keys = ApiKeys(keys, ("/health", "/metrics"), 60.0)
+    limits = QuotasConfig(window_s=60, default=TenantQuota(tokens_per_minute=1000))
+    server._quotas = TenantQuotas(limits, MemoryQuotaStore(), 60.0, server._metrics)
+    alpha = {"Authorization": "Bearer sk-alpha"}
+    body = {"model": MODEL, "prompt": "€" * 40, "max_tokens": 4}  # fits until tokenized
+    error = openai_error(proxy.client.post("/v1/completions", json=body, headers=alpha), 400)
+    assert error["code"] == "context_length_exceeded"
+    assert proxy.parsed_and_tokenized() == (1, 1)
+    charged = [name for name, _ in samples(server._metrics.render()) if "tenant_tokens" in name]
+    assert charged == []
