@@ -47,7 +47,7 @@ class BodySource(Protocol):
 
 
 class Prompted(Protocol):
-    """A parsed OpenAI request, as ``admit`` reads it (``openai_protocol``)."""
+    """A parsed OpenAI request, as ``admit`` reads it (``protocol.py``)."""
 
     @property
     def prompt_param(self) -> str: ...
