@@ -37,7 +37,7 @@ from prefixmesh.api.generation import Generation
 from prefixmesh.api.limits import RequestLimits, timed_out, until_deadline
 from prefixmesh.api.prepare import FrontDoor, PreparedRequest, new_request_id
 from prefixmesh.api.prompts import PromptEncoder
-from prefixmesh.api.quota import QuotaSlot, TenantQuotas
+from prefixmesh.api.quota import TenantQuotas, charge, settle_soon
 from prefixmesh.api.render import (
     MATCHED_BLOCKS_HEADER,
     REPLICA_FAILED,
@@ -176,7 +176,7 @@ class ReplicaHTTPServer(ReplicaServer):
         context = trace_parent(ticket.trace_context if ticket else None, request.headers)
         generate = self._request(ticket, prepared, context)
         ids = prepared.prompt_token_ids
-        slot = await self._admit(tenant, generate.request_id, len(ids))
+        slot = await charge(self._quotas, tenant, generate.request_id, len(ids))
         # TTFT counts from when the request entered the cluster (the router's clock).
         started_s = time.monotonic() - waited_s
         generation = Generation(
@@ -185,7 +185,7 @@ class ReplicaHTTPServer(ReplicaServer):
             len(ids),
             prepared.stop_strings(),
             _noop,
-            lambda: self._settle(slot, generation),
+            lambda: settle_soon(self._quotas, slot, generation.usage.completion_tokens),
             request=generate,
             started_s=started_s,
         )
@@ -229,15 +229,6 @@ class ReplicaHTTPServer(ReplicaServer):
         self._metrics.finished(generation)
         payload = full_body(request_id, self.config.model, chat, text, finish, generation)
         return JSONResponse(payload, headers=headers)
-
-    async def _admit(self, tenant: str, request_id: str, prompt_tokens: int) -> QuotaSlot | None:
-        if self._quotas is None:
-            return None
-        return await self._quotas.admit(tenant, request_id, prompt_tokens)
-
-    def _settle(self, slot: QuotaSlot | None, generation: Generation) -> None:
-        if slot is not None and self._quotas is not None:
-            self._quotas.settle_soon(slot, generation.usage.completion_tokens)
 
     def _request(
         self,

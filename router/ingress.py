@@ -31,7 +31,7 @@ from prefixmesh.api.generation import Generation
 from prefixmesh.api.limits import RequestLimits, timed_out, until_deadline
 from prefixmesh.api.prepare import FrontDoor, PreparedRequest, new_request_id
 from prefixmesh.api.prompts import PromptEncoder
-from prefixmesh.api.quota import QuotaSlot, TenantQuotas
+from prefixmesh.api.quota import QuotaSlot, TenantQuotas, charge, settle_soon
 from prefixmesh.api.render import (
     MATCHED_BLOCKS_HEADER,
     REPLICA_FAILED,
@@ -163,17 +163,12 @@ class IngressServer:
             deadline = front.limits.deadline((time.time_ns() - arrived_ns) / 1e9)
             request_id = new_request_id(chat)
             # Last before the response: an admitted request is settled when it ends.
-            slot = await self._admit(tenant, request_id, prepared.prompt_tokens)
+            slot = await charge(self._quotas, tenant, request_id, prepared.prompt_tokens)
             context = RequestContext(request_id, arrived_ns, deadline, slot)
             return await self._respond(prepared, context, request.headers)
         except APIError as exc:
             self._metrics.error(exc.status)
             return error_response(exc)
-
-    async def _admit(self, tenant: str, request_id: str, prompt_tokens: int) -> QuotaSlot | None:
-        if self._quotas is None:
-            return None
-        return await self._quotas.admit(tenant, request_id, prompt_tokens)
 
     async def _respond(
         self, prepared: PreparedRequest, context: RequestContext, headers: Mapping[str, str]
@@ -265,10 +260,9 @@ class IngressServer:
         return JSONResponse(body_json, headers=headers)
 
     def _settle(self, slot: QuotaSlot | None, generation: Generation | None) -> None:
-        """The request ended: its completion counts against its tenant's quota."""
-        if slot is not None and self._quotas is not None:
-            tokens = generation.usage.completion_tokens if generation is not None else 0
-            self._quotas.settle_soon(slot, tokens)
+        """The request ended (``generation`` None: before any replica answered)."""
+        tokens = generation.usage.completion_tokens if generation is not None else 0
+        settle_soon(self._quotas, slot, tokens)
 
     def _start(self, request: GenerateRequest, stop: list[str], started_s: float) -> Generation:
         ledger, lock = self._local.ledger, self._local.lock

@@ -244,3 +244,22 @@ class TenantQuotas:
         if self._settling:
             await asyncio.gather(*self._settling, return_exceptions=True)
         await self._store.close()
+
+
+async def charge(
+    quotas: TenantQuotas | None, tenant: str, request_id: str, prompt_tokens: int
+) -> QuotaSlot | None:
+    """A server's quota check of a prepared request (None: the server has no quotas): its
+    slot, or the 429 or 503 ``TenantQuotas.admit`` raises."""
+    if quotas is None:
+        return None
+    return await quotas.admit(tenant, request_id, prompt_tokens)
+
+
+def settle_soon(
+    quotas: TenantQuotas | None, slot: QuotaSlot | None, completion_tokens: int
+) -> None:
+    """The request ended: its completion counts against its tenant's quota (no quotas, no
+    slot: nothing to settle)."""
+    if slot is not None and quotas is not None:
+        quotas.settle_soon(slot, completion_tokens)
