@@ -1,7 +1,7 @@
 """Token quotas counted in Redis, for every router and replica of a cluster (issue 17).
 
 One script a call, so a check and its charge are atomic across processes. The arithmetic is
-``prefixmesh/wire/quota_rules.py``'s, written again in Lua (a parity test runs both). Keys,
+``cache_registry/quota_rules.py``'s, written again in Lua (a parity test runs both). Keys,
 under the registry's hash tag ``P = "{namespace}"``:
 
 - ``P:q:<tenant>:<window ms>``  HASH w (fixed window index), cur, prev: tokens (PX 2 windows)
@@ -19,8 +19,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from prefixmesh.cache_registry.quota_rules import LIMIT_CODES, Admission, QuotaAsk
 from prefixmesh.cache_registry.redis_connection import RedisEndpoint
-from prefixmesh.wire.quota_rules import LIMIT_CODES, Admission, QuotaAsk
 
 _ROLL = """
 local P, tenant, rid = ARGV[1], ARGV[2], ARGV[3]

@@ -35,6 +35,7 @@ from geventhttpclient.url import URL
 from locust import User, events, task
 from locust.exception import StopUser
 
+from prefixmesh.api.word_vocabulary import Vocabulary
 from prefixmesh.loadtest.plan import (
     BodySettings,
     PlanSettings,
@@ -53,7 +54,6 @@ from prefixmesh.loadtest.report import (
 )
 from prefixmesh.loadtest.sse import StreamResult, read_stream
 from prefixmesh.loadtest.workloads import WorkloadRequest
-from prefixmesh.wire.word_vocabulary import Vocabulary
 
 LIVE = LiveSummary()
 

@@ -9,7 +9,7 @@ routers that match prompt text (sglang-router's ``cache_aware``, Ray's PrefixCac
 need it. To make the text tokenize back to exactly the intended tokens, each token is rendered as
 a space and a word that the model's tokenizer maps to one token of its own (``Ġword`` in a
 byte-level BPE), so ``" w1 w2 w3"`` becomes ``[BOS, id(w1), id(w2), id(w3)]`` and a shared
-content prefix is a shared token prefix (the words: ``prefixmesh/wire/word_vocabulary.py``).
+content prefix is a shared token prefix (the words: ``prefixmesh/api/word_vocabulary.py``).
 ``--prompt-format tokens`` sends the same ids instead.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from prefixmesh.api.word_vocabulary import Vocabulary
 from prefixmesh.loadtest.keys import Segment, token_id
-from prefixmesh.wire.word_vocabulary import Vocabulary
 
 
 class PromptRenderer:

@@ -1,18 +1,20 @@
 """The direct path's replica: the OpenAI API served by the replica itself, behind HAProxy.
 
 HAProxy forwards each POST here after our router picked this replica, with the decision as
-trusted headers (``RouteTicket``). The replica validates, tokenizes and hashes the prompt (and
-checks that its key matches the router's digest), waits out a hold, runs the engine and streams
+trusted headers (``RouteTicket``). The replica prepares the request through the front door the
+router used (``api/prepare.py``: parse, tokenize, sample, hash; only headers cross from the
+router, and the replica needs the ids, sampling and key itself), checks that its key matches
+the router's digest (one xxh64 of the block hashes), waits out a hold, runs the engine and streams
 server-sent events straight back. Nothing is sent before the first token: a replica that dies
 before it leaves HAProxy an empty response, and one whose engine fails before it answers 503;
 HAProxy sends both to another replica (``serving.retry_on`` with ``option redispatch``). After
 the first token a failure ends the stream with an error event and ``[DONE]``.
 
-Limits come before work (``wire/limits.py``): a body over ``limits.max_body_bytes`` is refused
+Limits come before work (``api/limits.py``): a body over ``limits.max_body_bytes`` is refused
 by its Content-Length before it is read (HAProxy routed it blind: the router saw a truncated
 body), a prompt that cannot fit the context before it is tokenized, and a request that outlives
 ``ingress.request_timeout_s`` from its arrival at the router ends with a 504 or, streaming, an
-error event. Every error is OpenAI JSON (``wire/api_errors.py``), 404 and 405 included.
+error event. Every error is OpenAI JSON (``api/errors.py``), 404 and 405 included.
 
 GETs (models, health, metrics) reach any replica: HAProxy balances them by connections.
 """
@@ -20,7 +22,6 @@ GETs (models, health, metrics) reach any replica: HAProxy balances them by conne
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,41 +31,32 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
-from prefixmesh.cache_registry.factory import make_hasher
-from prefixmesh.cache_registry.types import PrefixKey
-from prefixmesh.replica.deployment import ReplicaServer
-from prefixmesh.replica.spans import trace_parent
-from prefixmesh.wire import GenerateChunk, GenerateRequest
-from prefixmesh.wire.api_errors import error_response, install_error_handlers
-from prefixmesh.wire.auth import ApiKeys, refusal, request_tenant
-from prefixmesh.wire.generation import Generation
-from prefixmesh.wire.limits import RequestLimits, timed_out, until_deadline
-from prefixmesh.wire.openai_protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_body,
-)
-from prefixmesh.wire.openai_render import (
+from prefixmesh.api.auth import ApiKeys, refusal, request_tenant
+from prefixmesh.api.errors import APIError, error_response, install_error_handlers
+from prefixmesh.api.generation import Generation
+from prefixmesh.api.limits import RequestLimits, timed_out, until_deadline
+from prefixmesh.api.prepare import FrontDoor, PreparedRequest, new_request_id
+from prefixmesh.api.prompts import PromptEncoder
+from prefixmesh.api.quota import TenantQuotas, charge, settle_soon
+from prefixmesh.api.render import (
     MATCHED_BLOCKS_HEADER,
     REPLICA_FAILED,
     REPLICA_HEADER,
     RETRIES_HEADER,
     ROUTED_BY_HEADER,
     UNROUTED,
-    PromptEncoder,
     brief,
-    check_model,
     collect,
     full_body,
     mid_stream_error,
     model_list,
-    new_request_id,
     sse_events,
 )
-from prefixmesh.wire.priority import request_priority
-from prefixmesh.wire.quota import QuotaSlot, TenantQuotas
-from prefixmesh.wire.request_metrics import DirectMetrics
+from prefixmesh.api.request_metrics import DirectMetrics
+from prefixmesh.cache_registry.factory import make_hasher
+from prefixmesh.replica.deployment import ReplicaServer
+from prefixmesh.replica.spans import trace_parent
+from prefixmesh.wire import GenerateChunk, GenerateRequest
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 
 logger = logging.getLogger(__name__)
@@ -104,11 +96,11 @@ class ReplicaHTTPServer(ReplicaServer):
         from transformers import AutoTokenizer
 
         await super().__init__(config_json, model_path, router_name)
-        self._encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
-        self._hasher = make_hasher(self.config)
+        encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
+        limits = RequestLimits.from_config(self.config, encoder.hf)
+        self._front = FrontDoor(self.config.model, limits, encoder, make_hasher(self.config))
+        self._decode = encoder.decode
         self._metrics = DirectMetrics()
-        self._max_model_len = self.config.replica.vllm.max_model_len
-        self._limits = RequestLimits.from_config(self.config, self._encoder.hf)
         self._keys = ApiKeys.from_config(self.config)
         self._quotas = TenantQuotas.from_config(self.config, self._metrics)
         self._created = int(time.time())
@@ -130,7 +122,7 @@ class ReplicaHTTPServer(ReplicaServer):
     async def models(self, request: Request) -> Any:
         if (refused := await refusal(self._keys, request)) is not None:
             return refused
-        return model_list(self.config.model, self._created, self._max_model_len)
+        return model_list(self.config.model, self._created, self._front.limits.max_model_len)
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
@@ -171,43 +163,29 @@ class ReplicaHTTPServer(ReplicaServer):
         received_ns: int,
         tenant: str,
     ) -> Response:
-        limits = self._limits
+        front = self._front
         # Longer than HAProxy forwards to the router (it balanced the request blind), or than
         # the limit: refused before it is read.
-        raw = await limits.read_body(request)
-        body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
-        check_model(body.model, self.config.model)
-        limits.admit(body)
+        raw = await front.read(request)
+        prepared = await front.prepare(raw, chat, tenant=tenant, headers=request.headers)
         # The total time counts from when the request entered the cluster (the router's clock).
         entered_ns = ticket.arrived_ns if ticket is not None and ticket.arrived_ns else received_ns
         waited_s = max(0, time.time_ns() - entered_ns) / 1e9
-        deadline = limits.deadline(waited_s)
-        ids, max_tokens = await self._encoder.prompt_of(body, chat)
-        sampling = body.engine_sampling(
-            len(ids),
-            max_tokens,
-            self._max_model_len,
-            self._encoder.eos_token_id,
-            limits.max_tokens,
-        )
-        key = self._hasher.hash_tokens(ids)
+        deadline = front.limits.deadline(waited_s)
         # The router's decision is the spans' parent; the client's traceparent when there is none.
         context = trace_parent(ticket.trace_context if ticket else None, request.headers)
-        generate = dataclasses.replace(
-            self._request(ticket, chat, tuple(ids), key, sampling, context),
-            tenant=tenant,
-            priority=request_priority(request.headers, body.priority),
-        )
-        slot = await self._admit(tenant, generate.request_id, len(ids))
+        generate = self._request(ticket, prepared, context)
+        ids = prepared.prompt_token_ids
+        slot = await charge(self._quotas, tenant, generate.request_id, len(ids))
         # TTFT counts from when the request entered the cluster (the router's clock).
         started_s = time.monotonic() - waited_s
         generation = Generation(
             _LocalStream(self.generate(generate)),
-            self._encoder.decode,
+            self._decode,
             len(ids),
-            body.stop_strings(),
+            prepared.stop_strings(),
             _noop,
-            lambda: self._settle(slot, generation),
+            lambda: settle_soon(self._quotas, slot, generation.usage.completion_tokens),
             request=generate,
             started_s=started_s,
         )
@@ -215,7 +193,7 @@ class ReplicaHTTPServer(ReplicaServer):
             async with asyncio.timeout_at(deadline):
                 await generation.first()
         except TimeoutError:  # not 503: another replica would not be faster
-            raise timed_out(limits.timeout_s) from None
+            raise timed_out(front.limits.timeout_s) from None
         except Exception as exc:  # nothing sent yet: 503 makes HAProxy try another replica
             logger.warning(
                 "request %s failed before its first token: %s", generate.request_id, brief(exc)
@@ -231,14 +209,13 @@ class ReplicaHTTPServer(ReplicaServer):
             ROUTED_BY_HEADER: ticket.reason if ticket is not None else UNROUTED,
         }
         request_id = generate.request_id
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if prepared.stream:
             events = sse_events(
                 generation,
                 request_id,
                 self.config.model,
                 chat,
-                include_usage,
+                prepared.include_usage,
                 self._stream_failed(request_id),
                 lambda: self._metrics.finished(generation),
             )
@@ -248,34 +225,34 @@ class ReplicaHTTPServer(ReplicaServer):
             async with asyncio.timeout_at(deadline):
                 text, finish = await collect(generation)
         except TimeoutError:
-            raise timed_out(limits.timeout_s) from None
+            raise timed_out(front.limits.timeout_s) from None
         self._metrics.finished(generation)
         payload = full_body(request_id, self.config.model, chat, text, finish, generation)
         return JSONResponse(payload, headers=headers)
 
-    async def _admit(self, tenant: str, request_id: str, prompt_tokens: int) -> QuotaSlot | None:
-        if self._quotas is None:
-            return None
-        return await self._quotas.admit(tenant, request_id, prompt_tokens)
-
-    def _settle(self, slot: QuotaSlot | None, generation: Generation) -> None:
-        if slot is not None and self._quotas is not None:
-            self._quotas.settle_soon(slot, generation.usage.completion_tokens)
-
     def _request(
         self,
         ticket: RouteTicket | None,
-        chat: bool,
-        ids: tuple[int, ...],
-        key: PrefixKey,
-        sampling: Any,
+        prepared: PreparedRequest,
         trace_context: dict[str, str] | None = None,
     ) -> GenerateRequest:
-        """The engine request, with the router's decision when it was made for this replica."""
+        """The engine request, with the router's decision when it was made for this replica.
+        The router keyed the same body with the same tokenizer and hasher: comparing its key's
+        digest with ours is the check (a mismatch means the two disagree, and routing is
+        blind)."""
+        ids, key, sampling = prepared.prompt_token_ids, prepared.key, prepared.sampling
+        tenant, priority = prepared.tenant, prepared.priority
         if ticket is None:
             self._metrics.unrouted.inc()
+            request_id = new_request_id(prepared.chat)
             return GenerateRequest(
-                new_request_id(chat), ids, key, sampling, trace_context=trace_context
+                request_id,
+                ids,
+                key,
+                sampling,
+                trace_context=trace_context,
+                tenant=tenant,
+                priority=priority,
             )
         if ticket.key_digest and ticket.key_digest != key_digest(key):
             self._metrics.key_mismatches.inc()
@@ -294,6 +271,8 @@ class ReplicaHTTPServer(ReplicaServer):
             routed_to=ticket.replica_id,
             matched_blocks=ticket.matched_blocks if mine else 0,
             trace_context=trace_context,
+            tenant=tenant,
+            priority=priority,
         )
 
     def _stream_failed(self, request_id: str) -> Any:
@@ -308,6 +287,6 @@ class ReplicaHTTPServer(ReplicaServer):
         def expired() -> APIError:
             logger.warning("stream %s ran past the request timeout", request_id)
             self._metrics.stream_errors.inc()
-            return timed_out(self._limits.timeout_s)
+            return timed_out(self._front.limits.timeout_s)
 
         return expired

@@ -11,10 +11,12 @@ and ours in front of them in turn). Each serves the OpenAI API (completions and 
 native protocol (``replica/engine_server.py``), through which Ray Serve replicas forward here.
 
 The engine is the replica's own (``replica/engines/``: sim or vLLM, built by the replica
-deployment's ``make_engine``); the OpenAI request models, rendering, detokenization and stop
-strings are the shared ones (``prefixmesh/wire/``), and so are the limits checked before work
-(``wire/limits.py``: body size, prompt size, ``max_tokens``, the request's total time), the
-OpenAI JSON of every error (``wire/api_errors.py``) and the API keys (``wire/auth.py``), which
+deployment's ``make_engine``); the request is prepared by the front door every server uses
+(``api/prepare.py``: the same parsing, model check, tokens with their vocabulary check,
+sampling), and rendering, detokenization and stop strings are the shared ones
+(``prefixmesh/api/``), and so are the limits checked before work
+(``api/limits.py``: body size, prompt size, ``max_tokens``, the request's total time), the
+OpenAI JSON of every error (``api/errors.py``) and the API keys (``api/auth.py``), which
 guard the OpenAI API under ``/v1`` as vLLM's ``--api-key`` does. Token quotas are the cluster's
 (its replicas and routers count them); this server has none.
 """
@@ -34,36 +36,26 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from prefixmesh.api.auth import ApiKeys, refusal
+from prefixmesh.api.errors import APIError, error_response, install_error_handlers
+from prefixmesh.api.generation import Generation
+from prefixmesh.api.limits import RequestLimits, read_json, timed_out, until_deadline
+from prefixmesh.api.prepare import FrontDoor, new_request_id
+from prefixmesh.api.prompts import PromptEncoder
+from prefixmesh.api.render import REPLICA_HEADER, collect, full_body, model_list, sse_events
+from prefixmesh.api.word_vocabulary import Vocabulary, fast_encode, word_lookup
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.replica.engine_server import EngineHost, engine_routes
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
 from prefixmesh.wire import GenerateChunk
-from prefixmesh.wire.api_errors import error_response, install_error_handlers
-from prefixmesh.wire.auth import ApiKeys, refusal
-from prefixmesh.wire.generation import Generation
-from prefixmesh.wire.limits import RequestLimits, read_json, timed_out, until_deadline
-from prefixmesh.wire.openai_protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_body,
-)
-from prefixmesh.wire.openai_render import (
-    REPLICA_HEADER,
-    PromptEncoder,
-    collect,
-    full_body,
-    sse_events,
-)
-from prefixmesh.wire.word_vocabulary import Vocabulary, fast_encode, word_lookup
 
 logger = logging.getLogger(__name__)
 
 
 class PromptTokenizer(PromptEncoder):
     """The model's tokenizer, with an exact shortcut for the load generator's text
-    (single-token words, ``wire/word_vocabulary.py``): a 2,000-token prompt tokenizes in ~0.4 ms
+    (single-token words, ``api/word_vocabulary.py``): a 2,000-token prompt tokenizes in ~0.4 ms
     instead of ~10 ms, which matters when vllm-router asks every replica to tokenize every
     request on two cores."""
 
@@ -132,10 +124,16 @@ class ReplicaService:
         self.tokenizer = tokenizer
         self.engine_kind = engine_kind
         self.model_dir = model_dir
-        self.fingerprint = make_hasher(config).fingerprint.to_json()
+        hasher = make_hasher(config)
+        self.fingerprint = hasher.fingerprint.to_json()
         self.max_model_len = config.replica.vllm.max_model_len
-        self.limits = RequestLimits.from_config(config, tokenizer.hf)
+        limits = RequestLimits.from_config(config, tokenizer.hf)
+        self.front = FrontDoor(config.model, limits, tokenizer, hasher, "this replica")
         self.started = time.time()
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.front.limits
 
     @property
     def replica_id(self) -> str:
@@ -143,36 +141,16 @@ class ReplicaService:
 
     # ---- generation --------------------------------------------------------------------------
 
-    async def respond(self, body: Any, chat: bool, deadline: float) -> Response:
-        """``deadline``: the event loop's time the request must end by."""
-        if body.model != self.config.model:
-            raise APIError(
-                404,
-                f"model {body.model!r} does not exist; this replica serves {self.config.model!r}",
-                param="model",
-                code="model_not_found",
-            )
-        self.limits.admit(body)  # before tokenizing
-        if chat:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = await self.tokenizer.encode_messages(messages)
-            max_tokens = body.max_completion_tokens or body.max_tokens
-        else:
-            prompt = body.prompt
-            ids = list(prompt) if isinstance(prompt, list) else await self.tokenizer.encode(prompt)
-            max_tokens = body.max_tokens
-        sampling = body.engine_sampling(
-            len(ids),
-            max_tokens,
-            self.max_model_len,
-            self.tokenizer.hf.eos_token_id,
-            self.limits.max_tokens,
-        )
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        request = EngineRequest(request_id, tuple(ids), sampling)
+    async def respond(self, raw: bytes, chat: bool, deadline: float) -> Response:
+        """``raw``: the body ``front.read`` returned; ``deadline``: the event loop's time the
+        request must end by."""
+        prepared = await self.front.prepare(raw, chat)
+        ids, sampling = prepared.prompt_token_ids, prepared.sampling
+        request_id = new_request_id(chat)
+        request = EngineRequest(request_id, ids, sampling)
         stream = _EngineStream(self.host.generate(request), self.replica_id)
         generation = Generation(
-            stream, self.tokenizer.decode, len(ids), body.stop_strings(), _nothing, _nothing
+            stream, self.tokenizer.decode, len(ids), prepared.stop_strings(), _nothing, _nothing
         )
         try:
             async with asyncio.timeout_at(deadline):
@@ -183,10 +161,14 @@ class ReplicaService:
             logger.exception("request %s failed before its first token", request_id)
             raise APIError(503, f"the engine failed: {exc}", error_type="server_error") from None
         headers = {REPLICA_HEADER: self.replica_id}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if prepared.stream:
             events = sse_events(
-                generation, request_id, self.config.model, chat, include_usage, _engine_failed
+                generation,
+                request_id,
+                self.config.model,
+                chat,
+                prepared.include_usage,
+                _engine_failed,
             )
             bounded = until_deadline(events, deadline, self._expired)
             return StreamingResponse(bounded, media_type="text/event-stream", headers=headers)
@@ -310,11 +292,10 @@ def build_app(service: ReplicaService) -> FastAPI:
             response: Response = await call_next(request)
             return response
 
-    async def openai(request: Request, model: type[Any], chat: bool) -> Response:
+    async def openai(request: Request, chat: bool) -> Response:
         deadline = service.limits.deadline()
         try:
-            body = parse_body(await service.limits.read_body(request), model)
-            return await service.respond(body, chat, deadline)
+            return await service.respond(await service.front.read(request), chat, deadline)
         except APIError as exc:
             return error_response(exc)
 
@@ -324,22 +305,15 @@ def build_app(service: ReplicaService) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await openai(request, CompletionRequest, False)
+        return await openai(request, False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await openai(request, ChatCompletionRequest, True)
+        return await openai(request, True)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": service.config.model,
-            "object": "model",
-            "created": int(service.started),
-            "owned_by": "prefixmesh",
-            "max_model_len": service.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return model_list(service.config.model, int(service.started), service.max_model_len)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

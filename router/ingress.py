@@ -1,13 +1,14 @@
 """The ingress: the OpenAI-compatible HTTP API on Ray Serve (FastAPI).
 
-It validates, applies the chat template, tokenizes and hashes the prompt once, and hands token
-ids and block keys to the replicas through a handle whose request router is ours. In the
+It prepares the request once through the front door (``api/prepare.py``: validation, chat
+template, tokens, sampling, key, priority), charges its tenant's quota, and hands token ids and
+block keys to the replicas through a handle whose request router is ours. In the
 in-process registry mode it also receives the replicas' cache events.
 
-Limits come before work (``wire/limits.py``): a body over ``limits.max_body_bytes`` is refused
+Limits come before work (``api/limits.py``): a body over ``limits.max_body_bytes`` is refused
 before it is read, a prompt that cannot fit the context before it is tokenized, and a request
 that outlives ``ingress.request_timeout_s`` (retries and streams included) ends with a 504 or,
-streaming, an error event. Every error is OpenAI JSON (``wire/api_errors.py``).
+streaming, an error event. Every error is OpenAI JSON (``api/errors.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,6 +25,26 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 
 from prefixmesh import tracing
+from prefixmesh.api.auth import ApiKeys, refusal, request_tenant
+from prefixmesh.api.errors import APIError, error_response, install_error_handlers
+from prefixmesh.api.generation import Generation
+from prefixmesh.api.limits import RequestLimits, timed_out, until_deadline
+from prefixmesh.api.prepare import FrontDoor, PreparedRequest, new_request_id
+from prefixmesh.api.prompts import PromptEncoder
+from prefixmesh.api.quota import QuotaSlot, TenantQuotas, charge, settle_soon
+from prefixmesh.api.render import (
+    MATCHED_BLOCKS_HEADER,
+    REPLICA_FAILED,
+    REPLICA_HEADER,
+    RETRIES_HEADER,
+    brief,
+    collect,
+    full_body,
+    mid_stream_error,
+    model_list,
+    sse_events,
+)
+from prefixmesh.api.request_metrics import RequestMetrics
 from prefixmesh.cache_registry.factory import (
     make_hasher,
     make_memory_state,
@@ -35,33 +57,6 @@ from prefixmesh.router.registry_watch import RegistryWatch
 from prefixmesh.router.retry import AttemptFailed, retry_request, run_with_retry
 from prefixmesh.router.spans import NoRequestTrace, request_trace
 from prefixmesh.wire import GenerateRequest
-from prefixmesh.wire.api_errors import error_response, install_error_handlers
-from prefixmesh.wire.auth import ApiKeys, refusal, request_tenant
-from prefixmesh.wire.generation import Generation
-from prefixmesh.wire.limits import RequestLimits, timed_out, until_deadline
-from prefixmesh.wire.openai_protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_body,
-)
-from prefixmesh.wire.openai_render import (
-    MATCHED_BLOCKS_HEADER,
-    REPLICA_FAILED,
-    REPLICA_HEADER,
-    RETRIES_HEADER,
-    PromptEncoder,
-    brief,
-    check_model,
-    full_body,
-    mid_stream_error,
-    model_list,
-    new_request_id,
-    sse_events,
-)
-from prefixmesh.wire.priority import request_priority
-from prefixmesh.wire.quota import QuotaSlot, TenantQuotas
-from prefixmesh.wire.request_metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 api = install_error_handlers(
@@ -89,12 +84,21 @@ def _failure(request_id: str, failed: AttemptFailed) -> APIError:
     return APIError(502, message, error_type="server_error", code=REPLICA_FAILED)
 
 
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """One accepted request's own values on its way through the ingress."""
+
+    request_id: str
+    arrived_ns: int
+    """Wall-clock arrival (the request span starts there)."""
+    deadline: float
+    """The event loop's time the request must end by (retries and streams included)."""
+    slot: QuotaSlot | None
+    """Its tenant's quota charge, settled when it ends (None: no quotas)."""
+
+
 @serve.ingress(api)
 class IngressServer:
-    # A server built without __init__ (unit tests) has no keys and no quotas.
-    _keys: ApiKeys | None = None
-    _quotas: TenantQuotas | None = None
-
     def __init__(self, replicas: Any, config_json: str, model_path: str) -> None:
         from transformers import AutoTokenizer
 
@@ -102,13 +106,13 @@ class IngressServer:
         config = self.config
         tracing.setup(config.telemetry, "ingress")  # the request router shares this process
         self._replicas = replicas
-        self._encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
-        self._hasher = make_hasher(config)
+        encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
+        limits = RequestLimits.from_config(config, encoder.hf)
+        self._front = FrontDoor(config.model, limits, encoder, make_hasher(config))
+        self._decode = encoder.decode
         self._local = local_state(config.app_name, lambda: make_memory_state(config))
         self._registry_watch = RegistryWatch(make_registry_probe(config), self._local.metrics)
         self._metrics = RequestMetrics()
-        self._max_model_len = config.replica.vllm.max_model_len
-        self._limits = RequestLimits.from_config(config, self._encoder.hf)
         self._keys = ApiKeys.from_config(config)
         self._quotas = TenantQuotas.from_config(config, self._metrics)
         self._created = int(time.time())
@@ -129,7 +133,7 @@ class IngressServer:
     async def models(self, request: Request) -> Any:
         if (refused := await refusal(self._keys, request)) is not None:
             return refused
-        return model_list(self.config.model, self._created, self._max_model_len)
+        return model_list(self.config.model, self._created, self._front.limits.max_model_len)
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
@@ -151,94 +155,55 @@ class IngressServer:
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         arrived_ns = time.time_ns()
-        limits = self._limits
+        front = self._front
         try:
             tenant = await request_tenant(self._keys, request)  # before the body is read
-            raw = await limits.read_body(request)  # a body over the limit is not read
-            body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
-            check_model(body.model, self.config.model)
-            limits.admit(body)  # a prompt that cannot fit is not tokenized
-            deadline = limits.deadline((time.time_ns() - arrived_ns) / 1e9)
-            ids, max_tokens = await self._encoder.prompt_of(body, chat=chat)
-            priority = request_priority(request.headers, body.priority)
+            raw = await front.read(request)  # a body over the limit is not read
+            prepared = await front.prepare(raw, chat, tenant=tenant, headers=request.headers)
+            deadline = front.limits.deadline((time.time_ns() - arrived_ns) / 1e9)
             request_id = new_request_id(chat)
             # Last before the response: an admitted request is settled when it ends.
-            slot = await self._quotas.admit(tenant, request_id, len(ids)) if self._quotas else None
-            return await self._respond(
-                body,
-                ids,
-                max_tokens,
-                chat=chat,
-                headers=request.headers,
-                arrived_ns=arrived_ns,
-                deadline=deadline,
-                request_id=request_id,
-                slot=slot,
-                tenant=tenant,
-                priority=priority,
-            )
+            slot = await charge(self._quotas, tenant, request_id, prepared.prompt_tokens)
+            context = RequestContext(request_id, arrived_ns, deadline, slot)
+            return await self._respond(prepared, context, request.headers)
         except APIError as exc:
             self._metrics.error(exc.status)
             return error_response(exc)
 
     async def _respond(
-        self,
-        body: Any,
-        ids: list[int],
-        max_tokens: int | None,
-        *,
-        chat: bool,
-        headers: Mapping[str, str],
-        arrived_ns: int,
-        deadline: float,
-        request_id: str,
-        slot: QuotaSlot | None,
-        tenant: str,
-        priority: int,
+        self, prepared: PreparedRequest, context: RequestContext, headers: Mapping[str, str]
     ) -> Response:
         """The response, inside the request's span (which a stream ends when it ends)."""
-        trace = request_trace(headers, request_id, len(ids), bool(body.stream), arrived_ns)
+        trace = request_trace(
+            headers,
+            context.request_id,
+            prepared.prompt_tokens,
+            prepared.stream,
+            context.arrived_ns,
+        )
         try:
-            return await self._respond_traced(
-                body, ids, max_tokens, chat, request_id, trace, deadline, slot, tenant, priority
-            )
+            return await self._respond_traced(prepared, context, trace)
         except BaseException as exc:
             trace.end(error=exc)
-            self._settle(slot, None)
+            self._settle(context.slot, None)
             raise
 
     async def _respond_traced(
-        self,
-        body: Any,
-        ids: list[int],
-        max_tokens: int | None,
-        chat: bool,
-        request_id: str,
-        trace: NoRequestTrace,
-        deadline: float,
-        slot: QuotaSlot | None,
-        tenant: str,
-        priority: int,
+        self, prepared: PreparedRequest, context: RequestContext, trace: NoRequestTrace
     ) -> Response:
-        """``deadline``: the event loop's time the request must end by (retries, streams)."""
-        sampling = body.engine_sampling(
-            len(ids),
-            max_tokens,
-            self._max_model_len,
-            self._encoder.eos_token_id,
-            self._limits.max_tokens,
-        )
-        key = self._hasher.hash_tokens(ids)
+        """``context.deadline``: the event loop's time the request must end by (retries,
+        streams)."""
+        request_id, deadline = context.request_id, context.deadline
         generate = GenerateRequest(
             request_id,
-            tuple(ids),
-            key,
-            sampling,
+            prepared.prompt_token_ids,
+            prepared.key,
+            prepared.sampling,
             trace_context=trace.carrier,
-            tenant=tenant,
-            priority=priority,
+            tenant=prepared.tenant,
+            priority=prepared.priority,
         )
-        stop = body.stop_strings()
+        stop = prepared.stop_strings()
         started_s = time.monotonic()
 
         def start(avoid: tuple[str, ...], attempt: int) -> Generation:
@@ -254,7 +219,8 @@ class IngressServer:
             trace.retried(phase, exc)
 
         # A stream is retried only until its first token: after that the client has output.
-        finish = _started if body.stream else self._collect
+        # A replica failure while collecting is raised as it is (the retry judges it).
+        finish = _started if prepared.stream else collect
         try:
             # Past the deadline the attempt is cancelled, which closes its generation (the
             # replica aborts the request).
@@ -267,7 +233,7 @@ class IngressServer:
                     on_retry=retried,
                 )
         except TimeoutError:
-            raise timed_out(self._limits.timeout_s) from None
+            raise timed_out(self._front.limits.timeout_s) from None
         except AttemptFailed as failed:
             raise _failure(request_id, failed) from None
         generation = done.generation
@@ -280,24 +246,23 @@ class IngressServer:
                 generation.request.matched_blocks if generation.request else 0
             ),
         }
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chat = prepared.chat
+        if prepared.stream:
             stream = self._stream(
-                generation, request_id, chat, include_usage, trace, deadline, slot
+                generation, request_id, chat, prepared.include_usage, trace, deadline, context.slot
             )
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         text, finish_reason = done.result or ("", "stop")
         self._metrics.finished(generation)
         trace.end(generation)
-        self._settle(slot, generation)
+        self._settle(context.slot, generation)
         body_json = full_body(request_id, self.config.model, chat, text, finish_reason, generation)
         return JSONResponse(body_json, headers=headers)
 
     def _settle(self, slot: QuotaSlot | None, generation: Generation | None) -> None:
-        """The request ended: its completion counts against its tenant's quota."""
-        if slot is not None and self._quotas is not None:
-            tokens = generation.usage.completion_tokens if generation is not None else 0
-            self._quotas.settle_soon(slot, tokens)
+        """The request ended (``generation`` None: before any replica answered)."""
+        tokens = generation.usage.completion_tokens if generation is not None else 0
+        settle_soon(self._quotas, slot, tokens)
 
     def _start(self, request: GenerateRequest, stop: list[str], started_s: float) -> Generation:
         ledger, lock = self._local.ledger, self._local.lock
@@ -313,7 +278,7 @@ class IngressServer:
         stream = self._replicas.options(stream=True).generate.remote(request)
         return Generation(
             stream,
-            self._encoder.decode,
+            self._decode,
             len(request.prompt_token_ids),
             stop,
             first_token,
@@ -321,16 +286,6 @@ class IngressServer:
             request=request,
             started_s=started_s,
         )
-
-    async def _collect(self, generation: Generation) -> tuple[str, str]:
-        """The whole output; a replica failure is raised as it is (the retry judges it). The
-        request's deadline bounds it (``_respond_traced``)."""
-        parts: list[str] = []
-        finish = "stop"
-        async for delta in generation.deltas():
-            parts.append(delta.text)
-            finish = delta.finish_reason or finish
-        return "".join(parts), finish
 
     async def _stream(
         self,
@@ -352,7 +307,7 @@ class IngressServer:
         def expired() -> APIError:
             logger.warning("stream %s ran past the request timeout", request_id)
             self._metrics.stream_errors.inc()
-            error = timed_out(self._limits.timeout_s)
+            error = timed_out(self._front.limits.timeout_s)
             trace.end(generation, error)
             return error
 

@@ -2,9 +2,10 @@
 
 HAProxy's Lua action forwards the client's body to ``POST /internal/route`` and pins the request
 to the replica named in the answer, setting the answer's ``request_headers`` on it as trusted
-headers (``wire/route_ticket.py``). Here the body is validated, templated, tokenized and hashed,
-and the replica handle's request router (ours, ``serve_router.py``: registry lookup, policy,
-claims, speculative entries) picks the replica without dispatching anything
+headers (``wire/route_ticket.py``). Here the front door (``api/prepare.py``) validates,
+templates, tokenizes and hashes the body, and the replica handle's request router (ours,
+``serve_router.py``: registry lookup, policy, claims, speculative entries) picks the replica
+without dispatching anything
 (``choose_replica(..., _reserve=False)``). The replica serves and streams the response itself.
 A claim the decision took stays here: this router's ledger releases it when a replica's report
 lists the request (``router/holds.py``).
@@ -19,7 +20,7 @@ HAProxy answers the client 503 when a routing call errs or outlasts
 it: an invalid body (the replica re-validates it and answers the OpenAI error), a body longer
 than HAProxy forwards, a slow registry or a failing policy all get a load-balanced pick.
 
-Limits come before work here too (``wire/limits.py``): a truncated body is not read, one over
+Limits come before work here too (``api/limits.py``): a truncated body is not read, one over
 ``limits.max_body_bytes`` is not read past the limit, and a prompt that cannot fit the context
 (or a ``max_tokens`` over the cap) is not tokenized; each gets a load-balanced pick, and the
 replica refuses it as cheaply with the OpenAI error.
@@ -37,6 +38,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
 from prefixmesh import tracing
+from prefixmesh.api.errors import APIError, install_error_handlers
+from prefixmesh.api.limits import BodySource, RequestLimits
+from prefixmesh.api.prepare import FrontDoor, is_chat, new_request_id
+from prefixmesh.api.prompts import PromptEncoder
 from prefixmesh.cache_registry.factory import (
     make_hasher,
     make_memory_state,
@@ -48,15 +53,6 @@ from prefixmesh.router.local_state import local_state
 from prefixmesh.router.registry_watch import RegistryWatch
 from prefixmesh.router.spans import NO_ROUTER_TRACE, NoRouterTrace, router_trace
 from prefixmesh.wire import GenerateRequest, LoadBalanced
-from prefixmesh.wire.api_errors import install_error_handlers
-from prefixmesh.wire.limits import BodySource, RequestLimits
-from prefixmesh.wire.openai_protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_body,
-)
-from prefixmesh.wire.openai_render import PromptEncoder, check_model, new_request_id
 from prefixmesh.wire.request_progress import RequestProgress
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 
@@ -68,9 +64,6 @@ FALLBACK_REASON = "fallback"
 """A ticket's reason when the router balanced a request whose decision it cut short."""
 TRUNCATED_HEADER = "x-body-truncated"
 """HAProxy's mark on a body longer than it buffers for the router."""
-_CHAT_KEYS = (b'"messages"',)
-"""HAProxy forwards the body, not the path: a chat completion is the body with ``messages`` (a
-quote inside a JSON string is escaped, so a prompt cannot contain this byte string)."""
 
 
 @serve.ingress(api)
@@ -83,12 +76,11 @@ class RouterServer:
         tracing.setup(config.telemetry, "router")  # the request router shares this process
         self._replicas = replicas
         self._replicas._init()  # build the handle's request router now, not at the first POST
-        self._encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
-        self._hasher = make_hasher(config)
+        encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
+        limits = RequestLimits.from_config(config, encoder.hf)
+        self._front = FrontDoor(config.model, limits, encoder, make_hasher(config))
         self._local = local_state(config.app_name, lambda: make_memory_state(config))
         self._registry_watch = RegistryWatch(make_registry_probe(config), self._local.metrics)
-        self._max_model_len = config.replica.vllm.max_model_len
-        self._limits = RequestLimits.from_config(config, self._encoder.hf)
         serving = config.serving
         self._budget_s = serving.router_timeout_s * serving.route_budget_share
         self._unseen_expiry_s = config.ingress.request_timeout_s
@@ -122,26 +114,19 @@ class RouterServer:
     ) -> GenerateRequest | None:
         """The request as the replicas' router sees it; None for input the replica will refuse
         (it answers the OpenAI error itself), found before the work it would waste."""
-        limits = self._limits
         try:
-            raw = await limits.read_body(request)
-            chat = any(key in raw for key in _CHAT_KEYS)
-            body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
-            check_model(body.model, self.config.model)
-            limits.admit(body)
-            ids, max_tokens = await self._encoder.prompt_of(body, chat)
-            sampling = body.engine_sampling(
-                len(ids),
-                max_tokens,
-                self._max_model_len,
-                self._encoder.eos_token_id,
-                limits.max_tokens,
-            )
+            raw = await self._front.read(request)
+            chat = is_chat(raw)
+            prepared = await self._front.prepare(raw, chat)
         except APIError:
             return None
-        key = self._hasher.hash_tokens(ids)
-        request_id = new_request_id(chat)
-        return GenerateRequest(request_id, tuple(ids), key, sampling, trace_context=trace_context)
+        return GenerateRequest(
+            new_request_id(chat),
+            prepared.prompt_token_ids,
+            prepared.key,
+            prepared.sampling,
+            trace_context=trace_context,
+        )
 
     async def _choose(
         self,

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prefixmesh.api.auth import ApiKeys
+from prefixmesh.api.quota import MemoryQuotaStore, QuotaStore, TenantQuotas
+from prefixmesh.api.request_metrics import RequestMetrics
 from prefixmesh.cache_registry.redis_quota import RedisQuotaStore
 from prefixmesh.cache_registry.redis_server import LocalRedisServer
 from prefixmesh.config import PrefixmeshConfig, QuotasConfig, TenantQuota
-from prefixmesh.wire.auth import ApiKeys
-from prefixmesh.wire.quota import MemoryQuotaStore, QuotaStore, TenantQuotas
-from prefixmesh.wire.request_metrics import RequestMetrics
 
 TEN_MB = 10_000_000
 

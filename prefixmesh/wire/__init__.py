@@ -1,6 +1,9 @@
-"""What travels between the router (router/) and the replicas (replica/), and the OpenAI API
-both speak (``openai_protocol``, ``openai_render``, ``generation``). A replica's load travels as a
-``ReplicaReport`` (``replica_report``).
+"""What travels between the router (router/) and the replicas (replica/), and nothing else: the
+request a replica serves (``GenerateRequest``, with its ``SamplingSettings`` and hold), the
+chunks it streams back (``GenerateChunk``), a load-balanced routing call (``LoadBalanced``), a
+replica's load (``ReplicaReport``, ``replica_report``), its requests' progress
+(``request_progress``) and the direct path's decision as trusted headers (``route_ticket``).
+The OpenAI API the servers speak is ``prefixmesh/api/``, which builds on this package.
 
 Both packages import this package and never each other. On the proxy path the request router
 reads a ``GenerateRequest`` as the first argument of a replica call and sets its ``hold`` and what

@@ -45,10 +45,10 @@ def test_the_agent_shows_the_router_and_each_replica_summing_to_what_was_sent(
 ) -> None:
     from ray import serve
 
+    from prefixmesh.api.render import REPLICA_HEADER
     from prefixmesh.app import REPLICA_NAME, ROUTER_NAME
     from prefixmesh.local_ray import haproxy_metrics_url
     from prefixmesh.metrics.ray_sink import node_metrics_urls
-    from prefixmesh.wire.openai_render import REPLICA_HEADER
 
     deploy(f"app_name={APP}", "replica.engine=sim", "replica.num_replicas=2")
     router = serve.get_deployment_handle(ROUTER_NAME, APP)

@@ -1,6 +1,7 @@
 """A Serve ingress deployment's FastAPI app in-process, without Ray: its routes, exception
 handlers and middleware as ``@serve.ingress`` left them, bound to an instance the test built
-without the deployment's ``__init__`` (no engine, no handle, no Serve context).
+through the deployment's own constructor with fakes (``build``; the proxy path's ingress), or,
+for a deployment whose constructor needs an engine or a handle's router, without it (``bind``).
 
 ``serve.ingress`` rewrites the class's routes to take ``self`` from
 ``serve.get_replica_context().servable_object``; ``bind`` answers that with the test's instance.
@@ -22,18 +23,29 @@ def user_class(deployment: type) -> type:
     return deployment.__mro__[1]
 
 
+def serve_as(monkeypatch: pytest.MonkeyPatch, instance: Any) -> Any:
+    """Make ``instance`` the one its class's app routes run on; returns it."""
+    from ray import serve
+
+    context = SimpleNamespace(servable_object=instance)
+    monkeypatch.setattr(serve, "get_replica_context", lambda: context)
+    return instance
+
+
+def build(monkeypatch: pytest.MonkeyPatch, deployment: type, *args: Any) -> Any:
+    """An instance of ``deployment``'s own class made by its constructor with ``args`` (as
+    Serve would call it), as the one its app's routes run on."""
+    return serve_as(monkeypatch, user_class(deployment)(*args))
+
+
 def bind(monkeypatch: pytest.MonkeyPatch, deployment: type, **attributes: Any) -> Any:
     """An instance of ``deployment``'s own class with ``attributes`` set, as the one its app's
     routes run on."""
-    from ray import serve
-
     cls = user_class(deployment)
     instance = cls.__new__(cls)
     for name, value in attributes.items():
         setattr(instance, name, value)
-    context = SimpleNamespace(servable_object=instance)
-    monkeypatch.setattr(serve, "get_replica_context", lambda: context)
-    return instance
+    return serve_as(monkeypatch, instance)
 
 
 def spy(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[tuple[Any, ...]]:
@@ -79,3 +91,10 @@ def fast_tokenizer(folder: Path) -> Any:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def model_folder(folder: Path) -> Path:
+    """``fast_tokenizer`` saved as a model folder, which ``AutoTokenizer.from_pretrained``
+    loads as a server's constructor does."""
+    fast_tokenizer(folder).save_pretrained(folder / "model")
+    return folder / "model"

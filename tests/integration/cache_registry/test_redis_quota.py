@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from prefixmesh.api.errors import APIError
+from prefixmesh.api.quota import MemoryQuotaStore, TenantQuotas
+from prefixmesh.cache_registry.quota_rules import MINUTE_MS, QuotaAsk
 from prefixmesh.cache_registry.redis_connection import RedisEndpoint
 from prefixmesh.cache_registry.redis_quota import RedisQuotaStore
 from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.config import QuotasConfig, TenantQuota
-from prefixmesh.wire.openai_protocol import APIError
-from prefixmesh.wire.quota import MemoryQuotaStore, TenantQuotas
-from prefixmesh.wire.quota_rules import MINUTE_MS, QuotaAsk
-from tests.unit.test_wire_quota import Recorded
+from tests.unit.api.test_quota import Recorded
 
 pytestmark = pytest.mark.redis
 T0 = 29_000_000 * MINUTE_MS

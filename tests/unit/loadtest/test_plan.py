@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixmesh.api.word_vocabulary import Vocabulary
 from prefixmesh.loadtest.plan import (
     BodySettings,
     PlanSettings,
@@ -15,7 +16,6 @@ from prefixmesh.loadtest.plan import (
     roots_and_followers,
 )
 from prefixmesh.loadtest.prompts import PromptRenderer
-from prefixmesh.wire.word_vocabulary import Vocabulary
 from tests.fakes.tokenizer import tiny_tokenizer
 
 

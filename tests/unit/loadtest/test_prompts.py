@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from prefixmesh.api.word_vocabulary import Vocabulary
 from prefixmesh.loadtest.keys import Segment, token_id
 from prefixmesh.loadtest.prompts import PromptRenderer
-from prefixmesh.wire.word_vocabulary import Vocabulary
 from tests.fakes.tokenizer import tiny_tokenizer
 
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from prefixmesh.api.request_metrics import DIRECT_METRICS, REQUEST_METRICS
 from prefixmesh.metrics.ray_sink import PROCESS_LABELS
 from prefixmesh.metrics.runtime import RUNTIME_METRICS
 from prefixmesh.metrics.spec import MetricSpec, ray_names
 from prefixmesh.metrics.vllm_export import VLLM_METRICS
 from prefixmesh.router.metrics import ROUTER_METRICS
-from prefixmesh.wire.request_metrics import DIRECT_METRICS, REQUEST_METRICS
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "manifests" / "grafana" / "prefixmesh.json"

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixmesh.api.request_metrics import DIRECT_METRICS, REQUEST_METRICS, DirectMetrics
 from prefixmesh.local_ray import SERVICE_DISCOVERY_FILE, write_service_discovery
 from prefixmesh.metrics.ray_sink import PROCESS_LABELS, RaySink, process_tags, serve_replica_sink
 from prefixmesh.metrics.sink import NullSink, PrometheusSink, Tee
 from prefixmesh.metrics.spec import CounterSpec, GaugeSpec, HistogramSpec, MetricSpec, ray_names
 from prefixmesh.metrics.vllm_export import cluster_stat_loggers
 from prefixmesh.router.metrics import ROUTER_METRICS, RouterMetrics
-from prefixmesh.wire.request_metrics import DIRECT_METRICS, REQUEST_METRICS, DirectMetrics
 
 COUNTER = CounterSpec("pm_test_requests", "Requests", ("status",))
 GAUGE = GaugeSpec("pm_test_load", "Load", ("replica", "field"))

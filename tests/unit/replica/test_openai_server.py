@@ -7,11 +7,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from prefixmesh.api.prepare import PreparedRequest
+from prefixmesh.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from prefixmesh.api.request_metrics import DirectMetrics
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.replica.openai_server import ReplicaHTTPServer
 from prefixmesh.wire import GenerateRequest, HoldInstruction, SamplingSettings
-from prefixmesh.wire.request_metrics import DirectMetrics
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 from tests.unit.router.test_metrics import samples
 
@@ -19,6 +21,16 @@ ME = ReplicaId("replica-a")
 IDS = tuple(range(10))
 KEY = BlockHasher(4, "m").hash_tokens(list(IDS))
 SAMPLING = SamplingSettings(4)
+
+
+def prepared(chat: bool = False) -> PreparedRequest:
+    """The front door's request for ``IDS`` (``api/prepare.py``)."""
+    body = (
+        ChatCompletionRequest(model="m", messages=[ChatMessage(role="user", content="hi")])
+        if chat
+        else CompletionRequest(model="m", prompt=list(IDS))
+    )
+    return PreparedRequest(body, chat, IDS, SAMPLING, KEY, tenant="team-a", priority=3)
 
 
 class _Replica(SimpleNamespace):
@@ -54,7 +66,7 @@ def counted(replica: Any, name: str) -> float:
 def test_the_router_s_decision_and_the_replica_s_key_make_the_request() -> None:
     replica = server()
     parent = {"traceparent": "00-ab-cd-01"}  # trace_parent's choice (tests/unit/replica)
-    request = replica._request(ticket(), False, IDS, KEY, SAMPLING, parent)
+    request = replica._request(ticket(), prepared(), parent)
     assert request.key is KEY  # the hasher's key, not a tuple rebuilt from it
     assert (request.request_id, request.hold, request.routed_by) == (
         "cmpl-router-1",
@@ -63,6 +75,7 @@ def test_the_router_s_decision_and_the_replica_s_key_make_the_request() -> None:
     )
     assert (request.routed_to, request.matched_blocks) == (ME, 2)
     assert request.trace_context == parent
+    assert (request.tenant, request.priority) == ("team-a", 3)  # built once, not replaced
     assert not hasattr(request, "claim")
     for name in ("route_key_mismatches", "redispatched_requests", "unrouted_requests"):
         assert counted(replica, f"prefixmesh_{name}_total") == 0.0
@@ -70,7 +83,7 @@ def test_the_router_s_decision_and_the_replica_s_key_make_the_request() -> None:
 
 def test_a_redispatched_request_waits_for_nothing_meant_for_another_replica() -> None:
     replica = server()
-    request = replica._request(ticket(replica_id="replica-b"), False, IDS, KEY, SAMPLING)
+    request = replica._request(ticket(replica_id="replica-b"), prepared())
     assert (request.hold, request.matched_blocks, request.routed_to) == (None, 0, "replica-b")
     assert counted(replica, "prefixmesh_redispatched_requests_total") == 1.0
 
@@ -78,13 +91,13 @@ def test_a_redispatched_request_waits_for_nothing_meant_for_another_replica() ->
 def test_a_key_the_router_digested_otherwise_is_counted() -> None:
     replica = server()
     other = BlockHasher(4, "m").hash_tokens([9, *IDS[1:]])
-    replica._request(ticket(digest=key_digest(other)), False, IDS, KEY, SAMPLING)
+    replica._request(ticket(digest=key_digest(other)), prepared())
     assert counted(replica, "prefixmesh_route_key_mismatches_total") == 1.0
 
 
 def test_without_a_ticket_the_request_is_the_replica_s_own() -> None:
     replica = server()
-    request = replica._request(None, True, IDS, KEY, SAMPLING)
+    request = replica._request(None, prepared(chat=True))
     assert isinstance(request, GenerateRequest) and request.key is KEY
     assert request.request_id.startswith("chatcmpl-") and request.hold is None
     assert counted(replica, "prefixmesh_unrouted_requests_total") == 1.0

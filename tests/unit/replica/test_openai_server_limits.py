@@ -15,17 +15,19 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from prefixmesh.api import prepare
+from prefixmesh.api.limits import RequestLimits
+from prefixmesh.api.prepare import FrontDoor
+from prefixmesh.api.prompts import PromptEncoder
+from prefixmesh.api.request_metrics import DirectMetrics
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.config import load_config
 from prefixmesh.replica import openai_server
 from prefixmesh.replica.openai_server import ReplicaHTTPServer
 from prefixmesh.wire import GenerateChunk, GenerateRequest
-from prefixmesh.wire.limits import RequestLimits
-from prefixmesh.wire.openai_render import PromptEncoder
-from prefixmesh.wire.request_metrics import DirectMetrics
-from tests.fakes.serve_ingress import bind, fast_tokenizer, spy, spy_global, user_class
+from tests.fakes.serve_ingress import bind, fast_tokenizer, spy
+from tests.unit.api.test_errors import openai_error
 from tests.unit.router.test_metrics import samples
-from tests.unit.test_wire_api_errors import openai_error
 
 MODEL = "demo-tiny"
 TEN_MB = 10_000_000
@@ -79,17 +81,21 @@ class Replica:
 @pytest.fixture
 def replica(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> Iterator[Replica]:
     config = load_config(overrides=list(LIMITS))
+    encoder = PromptEncoder(tokenizer)
     server = bind(
         monkeypatch,
         ReplicaHTTPServer,
         config=config,
         replica_id="r1",
         runtime=None,
-        _encoder=PromptEncoder(tokenizer),
-        _hasher=make_hasher(config),
+        _front=FrontDoor(
+            config.model,
+            RequestLimits.from_config(config, tokenizer),
+            encoder,
+            make_hasher(config),
+        ),
+        _decode=encoder.decode,
         _metrics=DirectMetrics(),
-        _max_model_len=64,
-        _limits=RequestLimits.from_config(config, tokenizer),
         _created=0,
         generate=_Engine(),
     )
@@ -100,9 +106,9 @@ def replica(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> Iterator[Replica
 @pytest.fixture
 def work(monkeypatch: pytest.MonkeyPatch, replica: Replica) -> dict[str, list[Any]]:
     """The calls of the parser and the tokenizer, as the replica makes them."""
-    encoder = replica.server._encoder
+    encoder = replica.server._front.tokenizer
     return {
-        "parse": spy_global(monkeypatch, user_class(ReplicaHTTPServer)._respond, "parse_body"),
+        "parse": spy(monkeypatch, prepare, "parse_body"),
         "encode": spy(monkeypatch, encoder, "encode"),
         "encode_messages": spy(monkeypatch, encoder, "encode_messages"),
     }
@@ -224,7 +230,7 @@ def test_a_request_within_its_limits_is_served(replica: Replica) -> None:
 def test_with_api_keys_a_request_without_one_is_refused_before_its_body_is_read(
     replica: Replica, work: dict[str, list[Any]], tmp_path: Any
 ) -> None:
-    from prefixmesh.wire.auth import ApiKeys
+    from prefixmesh.api.auth import ApiKeys
 
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-alpha team-a\n")
@@ -255,9 +261,9 @@ def test_a_tenant_over_its_quota_gets_a_429_and_the_router_hears_the_request_end
     """Issue 17: the key's tenant is checked against its quota once the prompt is tokenized;
     a refused request the router routed here is reported ended, or the router's ledger would
     count it for minutes (as it did for a 401 or 400 before)."""
+    from prefixmesh.api.auth import ApiKeys
+    from prefixmesh.api.quota import MemoryQuotaStore, TenantQuotas
     from prefixmesh.config import QuotasConfig, TenantQuota
-    from prefixmesh.wire.auth import ApiKeys
-    from prefixmesh.wire.quota import MemoryQuotaStore, TenantQuotas
     from prefixmesh.wire.route_ticket import RouteTicket
 
     keys = tmp_path / "keys.txt"

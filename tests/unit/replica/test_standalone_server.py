@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from prefixmesh.api import prepare
+from prefixmesh.api.word_vocabulary import Vocabulary
 from prefixmesh.loadtest.compare_report import parse_counters, replica_ttft_p50
 from prefixmesh.loadtest.keys import Segment
 from prefixmesh.loadtest.prompts import PromptRenderer
 from prefixmesh.loadtest.report import prefix_cache_counters
-from prefixmesh.replica import standalone_server
 from prefixmesh.replica.engine_server import TTFT_BUCKETS_S
 from prefixmesh.replica.standalone_server import (
     ReplicaService,
@@ -26,10 +27,9 @@ from prefixmesh.replica.standalone_server import (
     parse_args,
     server_config,
 )
-from prefixmesh.wire.word_vocabulary import Vocabulary
 from tests.fakes.serve_ingress import spy
+from tests.unit.api.test_errors import openai_error
 from tests.unit.replica.conftest import sim_config
-from tests.unit.test_wire_api_errors import openai_error
 
 MODEL = "demo-tiny"
 
@@ -190,10 +190,16 @@ def test_errors_are_openai_json(client: TestClient) -> None:
     )
 
 
+def limited(monkeypatch: pytest.MonkeyPatch, service: ReplicaService, **limits: Any) -> None:
+    """``service``'s front door with other limits."""
+    front = replace(service.front, limits=replace(service.limits, **limits))
+    monkeypatch.setattr(service, "front", front)
+
+
 def test_limits_come_before_work(
     client: TestClient, service: ReplicaService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    parsed = spy(monkeypatch, standalone_server, "parse_body")
+    parsed = spy(monkeypatch, prepare, "parse_body")
     tokenized = spy(monkeypatch, service.tokenizer, "encode")
     tokenized_chat = spy(monkeypatch, service.tokenizer, "encode_messages")
     ten_mb = json.dumps({"model": MODEL, "prompt": "x" * 10_000_000}).encode()
@@ -205,12 +211,12 @@ def test_limits_come_before_work(
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 320_000}]}
     error = openai_error(client.post("/v1/chat/completions", json=chat), 400)
     assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
-    monkeypatch.setattr(service, "limits", replace(service.limits, max_tokens=8))
+    limited(monkeypatch, service, max_tokens=8)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 9}
     assert openai_error(client.post("/v1/completions", json=body), 400)["param"] == "max_tokens"
     assert len(parsed) == 2 and tokenized == tokenized_chat == []
     # A request out of time before its first token (the sim engine computes the prefill).
-    monkeypatch.setattr(service, "limits", replace(service.limits, timeout_s=0.0))
+    limited(monkeypatch, service, timeout_s=0.0)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     assert openai_error(client.post("/v1/completions", json=body), 504)["code"] == "timeout"
 
@@ -253,3 +259,28 @@ def test_the_servers_block_size_follows_its_engine_unless_set() -> None:
     assert block_size("--engine", "sim") == 128
     assert block_size("--engine", "vllm") == 32
     assert block_size("--engine", "sim", "--set", "cache.block_size=64") == 64
+
+
+OUT_OF_VOCABULARY = {
+    "message": "prompt token ids out of the vocabulary",
+    "type": "invalid_request_error",
+    "param": "prompt",
+    "code": None,
+}
+"""What every server answers (422) for a token-id prompt the model's tokenizer cannot decode
+(``api/prompts.py``)."""
+
+
+def test_a_token_id_out_of_the_vocabulary_is_refused_as_the_other_servers_refuse_it(
+    client: TestClient, service: ReplicaService
+) -> None:
+    """Regression: the standalone server took token-id prompts as they came (777570c), and
+    handed the engine ids its model has no embedding for."""
+    size = len(service.tokenizer.hf)
+    for ids in ([1, size], [-1, 2]):
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 2}
+        for stream in (False, True):
+            response = client.post("/v1/completions", json={**body, "stream": stream})
+            assert openai_error(response, 422) == OUT_OF_VOCABULARY
+    within = {"model": MODEL, "prompt": [1, size - 1], "max_tokens": 2}
+    assert client.post("/v1/completions", json=within).status_code == 200

@@ -9,26 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from prefixmesh.cache_registry.factory import make_hasher
+from prefixmesh import tracing
+from prefixmesh.api import prepare
 from prefixmesh.config import load_config
 from prefixmesh.router import ingress
 from prefixmesh.router.ingress import IngressServer
-from prefixmesh.router.ledger import LoadLedger
 from prefixmesh.wire import GenerateChunk, GenerateRequest
-from prefixmesh.wire.limits import RequestLimits
-from prefixmesh.wire.openai_render import PromptEncoder
-from prefixmesh.wire.request_metrics import RequestMetrics
-from tests.fakes.serve_ingress import bind, fast_tokenizer, spy, spy_global, user_class
+from tests.fakes.serve_ingress import build, model_folder, spy
+from tests.unit.api.test_errors import openai_error
 from tests.unit.router.test_metrics import samples
-from tests.unit.test_wire_api_errors import openai_error
 
 MODEL = "demo-tiny"
 LIMITS = (
@@ -40,8 +38,8 @@ LIMITS = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return fast_tokenizer(tmp_path_factory.mktemp("tok"))
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_folder(tmp_path_factory.mktemp("tok"))
 
 
 class _Stream:
@@ -107,29 +105,21 @@ class Ingress:
 
 
 @pytest.fixture
-def proxy(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> Iterator[Ingress]:
-    config = load_config(overrides=list(LIMITS))
-    encoder = PromptEncoder(tokenizer)
-    server = bind(
-        monkeypatch,
-        IngressServer,
-        config=config,
-        _replicas=_Replicas(),
-        _encoder=encoder,
-        _hasher=make_hasher(config),
-        _local=SimpleNamespace(ledger=LoadLedger(), lock=threading.Lock()),
-        _metrics=RequestMetrics(),
-        _max_model_len=64,
-        _limits=RequestLimits.from_config(config, tokenizer),
-        _created=0,
-    )
+def proxy(monkeypatch: pytest.MonkeyPatch, model: Path) -> Iterator[Ingress]:
+    # An app name of its own: the router's in-process state is one per app and process.
+    config = load_config(overrides=[*LIMITS, f"app_name=test-{uuid.uuid4().hex}"])
+    server = build(monkeypatch, IngressServer, _Replicas(), config.model_dump_json(), str(model))
+    encoder = server._front.tokenizer
     work = {
-        "parse": spy_global(monkeypatch, user_class(IngressServer)._serve, "parse_body"),
+        "parse": spy(monkeypatch, prepare, "parse_body"),
         "encode": spy(monkeypatch, encoder, "encode"),
         "encode_messages": spy(monkeypatch, encoder, "encode_messages"),
     }
-    with TestClient(ingress.api) as client:
-        yield Ingress(server, client, work)
+    try:
+        with TestClient(ingress.api) as client:
+            yield Ingress(server, client, work)
+    finally:
+        tracing.reset()  # the constructor set tracing up (off) for the process
 
 
 def test_a_10_mb_body_is_refused_before_it_is_parsed(proxy: Ingress) -> None:
@@ -225,7 +215,7 @@ def test_a_request_within_its_limits_is_served(proxy: Ingress) -> None:
 def test_with_api_keys_the_proxy_path_wants_one_before_it_reads_the_body(
     proxy: Ingress, tmp_path: Any
 ) -> None:
-    from prefixmesh.wire.auth import ApiKeys
+    from prefixmesh.api.auth import ApiKeys
 
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-alpha team-a\n")
@@ -244,9 +234,9 @@ def test_quotas_on_the_proxy_path_refuse_over_quota_and_settle_the_completion(
 ) -> None:
     """Issue 17: the ingress checks the key's tenant against its quota after tokenizing, and
     counts a request's completion when it ends (streamed or not), once whatever the retries."""
+    from prefixmesh.api.auth import ApiKeys
+    from prefixmesh.api.quota import MemoryQuotaStore, TenantQuotas
     from prefixmesh.config import QuotasConfig, TenantQuota
-    from prefixmesh.wire.auth import ApiKeys
-    from prefixmesh.wire.quota import MemoryQuotaStore, TenantQuotas
     from tests.unit.router.test_metrics import samples
 
     keys = tmp_path / "keys.txt"
@@ -278,3 +268,28 @@ def test_quotas_on_the_proxy_path_refuse_over_quota_and_settle_the_completion(
         for kind in ("prompt", "completion")
     }
     assert tokens == {"prompt": 10, "completion": 4}
+
+
+def test_a_prompt_refused_after_tokenizing_is_not_charged_to_its_tenant(
+    proxy: Ingress, tmp_path: Any
+) -> None:
+    """Regression: the proxy path charged a prompt to its tenant's quota before it found the
+    prompt past the context (777570c: sampling came after the quota), a 400 that still counted;
+    the front door refuses it before the quota, as the direct path's replica always did."""
+    from prefixmesh.api.auth import ApiKeys
+    from prefixmesh.api.quota import MemoryQuotaStore, TenantQuotas
+    from prefixmesh.config import QuotasConfig, TenantQuota
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-alpha team-a\n")
+    server = proxy.server
+    server._keys = ApiKeys(keys, ("/health", "/metrics"), 60.0)
+    limits = QuotasConfig(window_s=60, default=TenantQuota(tokens_per_minute=1000))
+    server._quotas = TenantQuotas(limits, MemoryQuotaStore(), 60.0, server._metrics)
+    alpha = {"Authorization": "Bearer sk-alpha"}
+    body = {"model": MODEL, "prompt": "€" * 40, "max_tokens": 4}  # fits until tokenized
+    error = openai_error(proxy.client.post("/v1/completions", json=body, headers=alpha), 400)
+    assert error["code"] == "context_length_exceeded"
+    assert proxy.parsed_and_tokenized() == (1, 1)
+    charged = [name for name, _ in samples(server._metrics.render()) if "tenant_tokens" in name]
+    assert charged == []

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixmesh.api.generation import Generation
+from prefixmesh.api.request_metrics import RequestMetrics as IngressMetrics
 from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.router.metrics import RouterMetrics
 from prefixmesh.wire import GenerateChunk, GenerateRequest, HoldInstruction, SamplingSettings
-from prefixmesh.wire.generation import Generation
-from prefixmesh.wire.request_metrics import RequestMetrics as IngressMetrics
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -2,27 +2,28 @@
 HAProxy marked truncated is not read, one over ``limits.max_body_bytes`` is not parsed, and a
 prompt that cannot fit the context (or a ``max_tokens`` over the cap) is not tokenized; each
 gets a load-balanced pick (never an error: HAProxy would answer 503). Its other paths answer
-OpenAI JSON. The router's FastAPI app runs in-process on an instance built without Serve."""
+OpenAI JSON. The router's FastAPI app runs in-process on an instance its constructor built,
+with a fake replica handle and without Serve."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
-from types import SimpleNamespace
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from prefixmesh.cache_registry.factory import make_hasher
+from prefixmesh import tracing
+from prefixmesh.api import prepare
 from prefixmesh.config import load_config
 from prefixmesh.router import route_server
 from prefixmesh.router.route_server import TRUNCATED_HEADER, RouterServer
-from prefixmesh.wire.limits import RequestLimits
-from prefixmesh.wire.openai_render import PromptEncoder
-from tests.fakes.serve_ingress import bind, fast_tokenizer, spy, spy_global, user_class
+from tests.fakes.serve_ingress import build, model_folder, spy
+from tests.unit.api.test_errors import openai_error
 from tests.unit.router.test_route_server import _Replicas
-from tests.unit.test_wire_api_errors import openai_error
 
 MODEL = "demo-tiny"
 LIMITS = (
@@ -34,8 +35,8 @@ LIMITS = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return fast_tokenizer(tmp_path_factory.mktemp("tok"))
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_folder(tmp_path_factory.mktemp("tok"))
 
 
 class Router:
@@ -43,7 +44,7 @@ class Router:
         self.server = server
         self.client = client
         self.work = work
-        self.fell_back: list[str] = []
+        self.fell_back: list[tuple[Any, ...]] = []
 
     def route(self, body: Any, headers: dict[str, str] | None = None) -> dict[str, Any]:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -57,34 +58,38 @@ class Router:
         return len(self.work["parse"]), tokenized
 
 
+class _Handle(_Replicas):
+    """The replica handle, as the router's constructor finds it (``_init`` builds its request
+    router)."""
+
+    initialized = False
+
+    def _init(self) -> None:
+        self.initialized = True
+
+
 @pytest.fixture
-def router(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> Iterator[Router]:
-    config = load_config(overrides=list(LIMITS))
-    encoder = PromptEncoder(tokenizer)
-    fell_back: list[str] = []
-    server = bind(
-        monkeypatch,
-        RouterServer,
-        config=config,
-        _replicas=_Replicas("r1", "r1"),
-        _encoder=encoder,
-        _hasher=make_hasher(config),
-        _local=SimpleNamespace(metrics=SimpleNamespace(fell_back=fell_back.append)),
-        _max_model_len=64,
-        _limits=RequestLimits.from_config(config, tokenizer),
-        _budget_s=5.0,
-        routed=0,
-        fallbacks=0,
-    )
+def router(monkeypatch: pytest.MonkeyPatch, model: Path) -> Iterator[Router]:
+    # An app name of its own: the router's in-process state is one per app and process.
+    overrides = [*LIMITS, "serving.router_timeout_s=10", f"app_name=test-{uuid.uuid4().hex}"]
+    config = load_config(overrides=overrides)
+    handle = _Handle("r1", "r1")
+    server = build(monkeypatch, RouterServer, handle, config.model_dump_json(), str(model))
+    assert handle.initialized and server._budget_s == 5.0
+    encoder = server._front.tokenizer
+    fell_back = spy(monkeypatch, server._local.metrics, "fell_back")
     work = {
-        "parse": spy_global(monkeypatch, user_class(RouterServer)._prepare, "parse_body"),
+        "parse": spy(monkeypatch, prepare, "parse_body"),
         "encode": spy(monkeypatch, encoder, "encode"),
         "encode_messages": spy(monkeypatch, encoder, "encode_messages"),
     }
-    with TestClient(route_server.api) as client:
-        routed = Router(server, client, work)
-        routed.fell_back = fell_back
-        yield routed
+    try:
+        with TestClient(route_server.api) as client:
+            routed = Router(server, client, work)
+            routed.fell_back = fell_back
+            yield routed
+    finally:
+        tracing.reset()  # the constructor set tracing up (off) for the process
 
 
 def balanced(answer: dict[str, Any]) -> bool:

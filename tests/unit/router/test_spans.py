@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from prefixmesh import tracing
+from prefixmesh.api.errors import APIError
 from prefixmesh.config import TelemetryConfig
 from prefixmesh.router.spans import (
     NO_REQUEST_TRACE,
@@ -22,7 +23,6 @@ from prefixmesh.router.spans import (
     router_trace,
 )
 from prefixmesh.wire import GenerateRequest
-from prefixmesh.wire.openai_protocol import APIError
 from tests.unit.router.test_serve_router import (
     BLOCKS,
     fake_replica,

@@ -1,20 +1,16 @@
-"""The OpenAI API's side of every server: prompts to token ids, and responses, server-sent
-events and errors as OpenAI renders them.
-
-One module for the router (which tokenizes to decide), the proxy path's ingress, the direct
-path's replica and the standalone replica server, so they accept and answer alike.
-"""
+"""Responses, server-sent events and the response headers as every prefixmesh server renders
+them (the proxy path's ingress, the direct path's replica, the standalone replica server), so
+they answer alike; what comes in is prepared by ``prepare.py``."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from prefixmesh.wire.generation import Generation, TextDelta
-from prefixmesh.wire.openai_protocol import APIError, ChatCompletionRequest
+from prefixmesh.api.errors import APIError
+from prefixmesh.api.generation import Generation, TextDelta
 
 REPLICA_HEADER = "x-prefixmesh-replica"
 RETRIES_HEADER = "x-prefixmesh-retries"
@@ -28,60 +24,8 @@ REPLICA_FAILED = "replica_failed"
 """The ``code`` of the error event that ends a stream whose replica failed mid-stream."""
 
 
-class PromptEncoder:
-    """A Hugging Face tokenizer as the API uses it: text or token-id prompts, chat templates,
-    decoding; long work off the event loop."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.hf = tokenizer
-        self.eos_token_id: int | None = tokenizer.eos_token_id
-        self._vocab_size = len(tokenizer)
-
-    async def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            if any(not 0 <= t < self._vocab_size for t in prompt):
-                raise APIError(422, "prompt token ids out of the vocabulary", param="prompt")
-            return list(prompt)
-        # Tokenizing a long prompt takes milliseconds of CPU: off the event loop.
-        return list(await asyncio.to_thread(lambda: self.hf(prompt)["input_ids"]))
-
-    async def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
-        return await self.encode_messages(
-            [{"role": m.role, "content": m.text()} for m in body.messages]
-        )
-
-    async def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat messages through the model's chat template, with the generation prompt."""
-
-        def render() -> list[int]:
-            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding (a UserDict)
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-
-        return await asyncio.to_thread(render)
-
-    async def prompt_of(self, body: Any, chat: bool) -> tuple[list[int], int | None]:
-        """A validated request's prompt token ids and its ``max_tokens``."""
-        if chat:
-            return await self.encode_chat(body), body.max_completion_tokens or body.max_tokens
-        return await self.encode(body.prompt), body.max_tokens
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self.hf.decode(ids, skip_special_tokens=True))
-
-
-def check_model(requested: str, served: str) -> None:
-    if requested != served:
-        raise APIError(
-            404,
-            f"model {requested!r} does not exist; this cluster serves {served!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
 def model_list(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    """``GET /v1/models``: the one model a server serves."""
     card = {
         "id": model,
         "object": "model",
@@ -90,12 +34,6 @@ def model_list(model: str, created: int, max_model_len: int) -> dict[str, Any]:
         "max_model_len": max_model_len,
     }
     return {"object": "list", "data": [card]}
-
-
-def new_request_id(chat: bool) -> str:
-    import uuid
-
-    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prefixmesh.wire.detokenize import IncrementalDetokenizer
+from prefixmesh.api.detokenize import IncrementalDetokenizer
 
 # A byte-level toy vocabulary: token i is the byte i; "é" is two bytes.
 E_ACUTE = list("é".encode())

@@ -18,7 +18,7 @@ from prefixmesh.metrics.spec import CounterSpec, HistogramSpec
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from prefixmesh.wire.generation import Generation
+    from prefixmesh.api.generation import Generation
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 _HOLD_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
@@ -134,7 +134,7 @@ class RequestMetrics:
         self.requests.labels(status="200").inc()
         self.completion_tokens.inc(generation.usage.completion_tokens)
 
-    # ---- QuotaMetrics (wire/quota.py) ------------------------------------------------------
+    # ---- QuotaMetrics (api/quota.py) ----------------------------------------------------------
 
     def quota_refused(self, tenant: str, limit: str) -> None:
         self.quota_refusals.labels(tenant=tenant, limit=limit).inc()

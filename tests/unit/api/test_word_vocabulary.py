@@ -8,14 +8,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from prefixmesh.api.word_vocabulary import Vocabulary, fast_encode, single_token_words, word_lookup
 from prefixmesh.loadtest.keys import Segment
 from prefixmesh.loadtest.prompts import PromptRenderer
-from prefixmesh.wire.word_vocabulary import (
-    Vocabulary,
-    fast_encode,
-    single_token_words,
-    word_lookup,
-)
 from tests.fakes.tokenizer import tiny_tokenizer
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from prefixmesh.api.auth import ApiKeys, KeyFileError, bearer, key_digest, parse_keys
+from prefixmesh.api.errors import APIError
 from prefixmesh.config import load_config
-from prefixmesh.wire.auth import ApiKeys, KeyFileError, bearer, key_digest, parse_keys
-from prefixmesh.wire.openai_protocol import APIError
 
 
 def test_the_file_holds_plain_and_hashed_keys_and_names_a_bad_line() -> None:

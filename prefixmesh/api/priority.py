@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prefixmesh.wire.openai_protocol import APIError
+from prefixmesh.api.errors import APIError
 
 PRIORITY_HEADER = "x-prefixmesh-priority"
 PRIORITY_RANGE = (-1_000_000, 1_000_000)

@@ -1,4 +1,4 @@
-"""Limits before work (``wire/limits.py``): a body over the limit is refused by its
+"""Limits before work (``prefixmesh/api/limits.py``): a body over the limit is refused by its
 Content-Length without a byte read, or as soon as the bytes counted pass it; a ``max_tokens``
 over the cap and a prompt that cannot fit the context are refused from the parsed request
 alone; a stream past its deadline ends with an error event."""
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from prefixmesh.config import load_config
-from prefixmesh.wire.limits import (
+from prefixmesh.api.errors import APIError
+from prefixmesh.api.limits import (
     REQUEST_TOO_LARGE,
     RequestLimits,
     longest_token_chars,
@@ -22,12 +22,8 @@ from prefixmesh.wire.limits import (
     read_json,
     until_deadline,
 )
-from prefixmesh.wire.openai_protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_body,
-)
+from prefixmesh.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from prefixmesh.config import load_config
 from tests.fakes.tokenizer import tiny_tokenizer
 
 LIMITS = RequestLimits(

@@ -9,16 +9,10 @@ from collections import Counter
 
 import pytest
 
+from prefixmesh.api.errors import APIError, error_response
+from prefixmesh.api.quota import QUOTA_UNAVAILABLE, RATE_LIMITED, MemoryQuotaStore, TenantQuotas
+from prefixmesh.cache_registry.quota_rules import MINUTE_MS, Admission, QuotaAsk
 from prefixmesh.config import QuotasConfig, TenantQuota, load_config
-from prefixmesh.wire.api_errors import error_response
-from prefixmesh.wire.openai_protocol import APIError
-from prefixmesh.wire.quota import (
-    QUOTA_UNAVAILABLE,
-    RATE_LIMITED,
-    MemoryQuotaStore,
-    TenantQuotas,
-)
-from prefixmesh.wire.quota_rules import MINUTE_MS, Admission, QuotaAsk
 
 
 class Recorded:

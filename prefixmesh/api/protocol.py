@@ -19,67 +19,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from prefixmesh.api.errors import APIError, context_length_exceeded
 from prefixmesh.wire import SamplingSettings
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        error_type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.headers = headers or {}
-        """Response headers the error comes with (a 429's ``retry-after``)."""
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def context_length_exceeded(
-    max_model_len: int,
-    prompt_tokens: int,
-    max_tokens: int | None,
-    param: str,
-    *,
-    at_least: bool = False,
-) -> APIError:
-    """OpenAI's 400 for a prompt (and ``max_tokens``) past the context length. ``at_least``:
-    ``prompt_tokens`` is a lower bound counted before tokenizing."""
-    what = "the messages" if param == "messages" else "the prompt"
-    bound = "at least " if at_least else ""
-    if max_tokens is None:
-        detail = f"However, {what} resulted in {bound}{prompt_tokens} tokens"
-        advice = f"Please reduce the length of {what}."
-    else:
-        detail = (
-            f"However, you requested {bound}{prompt_tokens + max_tokens} tokens ({bound}"
-            f"{prompt_tokens} in {what}, {max_tokens} in the completion)"
-        )
-        advice = f"Please reduce the length of {what} or completion."
-    return APIError(
-        400,
-        f"This model's maximum context length is {max_model_len} tokens. {detail}. {advice}",
-        param=param,
-        code="context_length_exceeded",
-    )
 
 
 class _Request(BaseModel):
@@ -104,7 +45,7 @@ class _Sampling(_Request):
     """vLLM's bound (a 64-bit seed); past it the engine would fail the request."""
     priority: int | None = None
     """vLLM's extension: lower starts first when a replica is saturated (``fair_share``);
-    ``wire/priority.py`` bounds it and falls back to the ``x-prefixmesh-priority`` header."""
+    ``api/priority.py`` bounds it and falls back to the ``x-prefixmesh-priority`` header."""
     ignore_eos: bool = False
     """vLLM's extension: keep generating past the end-of-text token (load tests)."""
     logprobs: Any = None

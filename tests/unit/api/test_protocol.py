@@ -4,12 +4,8 @@ import json
 
 import pytest
 
-from prefixmesh.wire.openai_protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_body,
-)
+from prefixmesh.api.errors import APIError
+from prefixmesh.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
 
 def body(**fields: object) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixmesh.wire.quota_rules import (
+from prefixmesh.cache_registry.quota_rules import (
     CONCURRENCY_RETRY_MS,
     MINUTE_MS,
     QuotaWindow,

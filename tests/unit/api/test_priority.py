@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefixmesh.wire.openai_protocol import APIError
-from prefixmesh.wire.priority import PRIORITY_HEADER, request_priority
+from prefixmesh.api.errors import APIError
+from prefixmesh.api.priority import PRIORITY_HEADER, request_priority
 
 
 def test_the_body_wins_over_the_header_and_the_default_is_zero() -> None:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from prefixmesh.api.errors import APIError
+from prefixmesh.cache_registry.quota_rules import Admission, QuotaAsk, QuotaWindow, decide
 from prefixmesh.config import PrefixmeshConfig, QuotasConfig
-from prefixmesh.wire.openai_protocol import APIError
-from prefixmesh.wire.quota_rules import Admission, QuotaAsk, QuotaWindow, decide
 
 logger = logging.getLogger(__name__)
 
@@ -244,3 +244,22 @@ class TenantQuotas:
         if self._settling:
             await asyncio.gather(*self._settling, return_exceptions=True)
         await self._store.close()
+
+
+async def charge(
+    quotas: TenantQuotas | None, tenant: str, request_id: str, prompt_tokens: int
+) -> QuotaSlot | None:
+    """A server's quota check of a prepared request (None: the server has no quotas): its
+    slot, or the 429 or 503 ``TenantQuotas.admit`` raises."""
+    if quotas is None:
+        return None
+    return await quotas.admit(tenant, request_id, prompt_tokens)
+
+
+def settle_soon(
+    quotas: TenantQuotas | None, slot: QuotaSlot | None, completion_tokens: int
+) -> None:
+    """The request ended: its completion counts against its tenant's quota (no quotas, no
+    slot: nothing to settle)."""
+    if slot is not None and quotas is not None:
+        quotas.settle_soon(slot, completion_tokens)

@@ -23,9 +23,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from prefixmesh.api.errors import APIError, context_length_exceeded
+from prefixmesh.api.protocol import loads
+from prefixmesh.api.render import sse
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.wire.openai_protocol import APIError, context_length_exceeded, loads
-from prefixmesh.wire.openai_render import sse
 
 REQUEST_TOO_LARGE = "request_too_large"
 """The ``code`` of a 413: the body is longer than ``limits.max_body_bytes``."""
@@ -46,9 +47,10 @@ class BodySource(Protocol):
 
 
 class Prompted(Protocol):
-    """A parsed OpenAI request, as ``admit`` reads it (``openai_protocol``)."""
+    """A parsed OpenAI request, as ``admit`` reads it (``protocol.py``)."""
 
-    prompt_param: str
+    @property
+    def prompt_param(self) -> str: ...
 
     def prompt_extent(self) -> tuple[int, bool]: ...
 

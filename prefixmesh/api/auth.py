@@ -32,9 +32,8 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse
 
+from prefixmesh.api.errors import APIError, error_response
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.wire.api_errors import error_response
-from prefixmesh.wire.openai_protocol import APIError
 
 logger = logging.getLogger(__name__)
 

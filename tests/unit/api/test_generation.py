@@ -4,8 +4,8 @@ from collections.abc import Sequence
 
 import pytest
 
+from prefixmesh.api.generation import Generation, TextDelta
 from prefixmesh.wire import GenerateChunk
-from prefixmesh.wire.generation import Generation, TextDelta
 
 
 class FakeStream:

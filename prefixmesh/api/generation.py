@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prefixmesh.api.detokenize import Decode, IncrementalDetokenizer
 from prefixmesh.wire import GenerateChunk, GenerateRequest
-from prefixmesh.wire.detokenize import Decode, IncrementalDetokenizer
 
 
 @dataclass

@@ -9,8 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from prefixmesh.wire.api_errors import install_error_handlers
-from prefixmesh.wire.openai_protocol import APIError
+from prefixmesh.api.errors import APIError, install_error_handlers
 
 OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
 
