@@ -19,10 +19,12 @@ vLLM by default. ``sim``: the default profile's (cpu-small, 128); another profil
 
 
 class CacheConfig(Section):
-    block_size: int | None = Field(default=None, gt=0)
+    block_size: int = Field(gt=0)
     """Tokens per block: the unit of hashing, caching and transfer; equal to the engine's block
-    size, which is set from it. None: the engine's (``ENGINE_BLOCK_SIZES``), filled in when the
-    whole config is loaded, so every process of a cluster gets the same number."""
+    size, which is set from it. Unset (or null) in a file or an override: the engine's
+    (``ENGINE_BLOCK_SIZES``), resolved once when the whole config is validated
+    (``PrefixmeshConfig``), so every process of a cluster gets the same number and every
+    reader an int."""
     hash_algo: Literal["xxh3_64", "blake2b_64"] = "xxh3_64"
     """Block hash function; xxh3 hashes a 4,096-token prompt in tens of microseconds."""
     hash_seed: int = Field(default=0, ge=0)

@@ -41,10 +41,11 @@ def parse_override(text: str) -> dict[str, Any]:
     path, sep, raw = text.partition("=")
     if not sep or not path:
         raise ValueError(f"override must look like section.field=value, got {text!r}")
-    value: Any = yaml.safe_load(raw)
-    for part in reversed(path.split(".")):
-        value = {part: value}
-    return value  # type: ignore[no-any-return]
+    *sections, field = path.split(".")
+    nested: dict[str, Any] = {field: yaml.safe_load(raw)}
+    for part in reversed(sections):
+        nested = {part: nested}
+    return nested
 
 
 def merge_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

@@ -19,11 +19,25 @@ from prefixmesh.config.telemetry import MetricsConfig, TelemetryConfig
 from prefixmesh.config.tenants import AuthConfig, QuotasConfig
 
 
+def _engine_block_size(replica: Any) -> int:
+    """``ENGINE_BLOCK_SIZES`` of the engine that ``replica`` (a section, or its raw settings)
+    names. An unknown engine fails its own validation: any size then keeps that error the only
+    one."""
+    engine: Any = ReplicaConfig.model_fields["engine"].default
+    if isinstance(replica, ReplicaConfig):
+        engine = replica.engine
+    elif isinstance(replica, Mapping):
+        engine = replica.get("engine", engine)
+    size = ENGINE_BLOCK_SIZES.get(engine) if isinstance(engine, str) else None
+    return ENGINE_BLOCK_SIZES["vllm"] if size is None else size
+
+
 class PrefixmeshConfig(Section):
     model: str = "demo-tiny"
     """Model name served by the cluster; part of the cache fingerprint."""
-    cache: CacheConfig = CacheConfig()
-    """Block size and hashing: the cache fingerprint shared by router, replicas and registry."""
+    cache: CacheConfig
+    """Block size and hashing: the cache fingerprint shared by router, replicas and registry
+    (given or not: its block size is filled in before validation)."""
     registry: RegistryConfig = RegistryConfig()
     """Where the cluster's cache registry lives and how long its calls may take."""
     routing: RoutingConfig = RoutingConfig()
@@ -63,28 +77,18 @@ class PrefixmeshConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _engine_block_size(cls, data: Any) -> Any:
-        """An unset ``cache.block_size`` becomes the engine's (``ENGINE_BLOCK_SIZES``)."""
+    def _resolve_block_size(cls, data: Any) -> Any:
+        """The one place ``cache.block_size`` is resolved: unset (absent or null), it becomes
+        the engine's, so the section always holds an int."""
         if not isinstance(data, Mapping):
             return data
-        cache, replica = data.get("cache"), data.get("replica")
-        engine: Any = ReplicaConfig.model_fields["engine"].default
-        if isinstance(replica, ReplicaConfig):
-            engine = replica.engine
-        elif isinstance(replica, Mapping):
-            engine = replica.get("engine", engine)
-        size = ENGINE_BLOCK_SIZES.get(engine) if isinstance(engine, str) else None
-        if size is None:  # an unknown engine: the field's own validation says so
-            return data
-        if isinstance(cache, CacheConfig):
-            if cache.block_size is None:
-                cache = cache.model_copy(update={"block_size": size})
-        elif isinstance(cache, Mapping):
-            if cache.get("block_size") is None:
-                cache = {**cache, "block_size": size}
-        elif cache is None:
-            cache = {"block_size": size}
-        return {**data, "cache": cache}
+        cache = data.get("cache")
+        if cache is None:
+            cache = {}
+        elif not isinstance(cache, Mapping) or cache.get("block_size") is not None:
+            return data  # a built section (always sized), or a mistake its validation names
+        size = _engine_block_size(data.get("replica"))
+        return {**data, "cache": {**cache, "block_size": size}}
 
     @model_validator(mode="after")
     def _check(self) -> PrefixmeshConfig:
