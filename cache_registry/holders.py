@@ -82,14 +82,14 @@ def count_segments(segments: list[RunSegment]) -> dict[int, Row]:
         only = segments[0]
         length = only.length
         rows: dict[int, Row] = {}
-        for mask, row in (
+        for mask, held in (
             (only.gpu, (length, 0, 0, 0)),
             (only.cpu, (0, length, 0, 0)),
             (only.disk, (0, 0, length, 0)),
             (only.speculative, (length, 0, 0, length)),
         ):
             if mask:
-                rows.update(dict.fromkeys(bits_of(mask), row))
+                rows.update(dict.fromkeys(bits_of(mask), held))
         return rows
     counts: dict[int, list[int]] = {}
     for segment in segments:

@@ -14,7 +14,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -186,8 +186,9 @@ class RedisProbe:
         else:
             mine = self._fingerprint.to_json()
             if stored is not None and stored != mine:
+                recorded = cast(str, stored)  # decode_responses=True: replies are str
                 health = fingerprint_mismatch(
-                    self.endpoint, self._namespace, stored, self._fingerprint
+                    self.endpoint, self._namespace, recorded, self._fingerprint
                 )
             else:
                 health = HEALTHY  # none recorded yet: the first registry client records ours

@@ -36,8 +36,10 @@ def _kernels() -> _Kernels:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _copy(
+    # triton.jit is unannotated, and Triton reads a parameter's annotation as its kind
+    # (tl.constexpr): the pointers and sizes stay unannotated.
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _copy(  # type: ignore[no-untyped-def]
         cache_ptr,
         pages_ptr,
         ids_ptr,

@@ -178,6 +178,7 @@ def init_local_ray(
         log_to_driver=False,
         runtime_env={"env_vars": dict(_WORKER_ENV)},
     )
-    session_dir = Path(context.address_info["session_dir"])
+    # ray.init is typed to return a BaseContext; a local start's is a RayContext, which has it.
+    session_dir = Path(context.address_info["session_dir"])  # type: ignore[attr-defined]
     write_service_discovery(session_dir.parent, [f"127.0.0.1:{metrics_port}"])
     return context

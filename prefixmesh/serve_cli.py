@@ -90,7 +90,7 @@ def main(argv: list[str], prog: str = "serve") -> int:
         print(f"prefixmesh is serving {config.model!r} at {url}/v1 (Ctrl-C stops it)", flush=True)
         _wait_for_stop()
         print("shutting down ...", flush=True)
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]  # Ray Serve leaves it unannotated
     finally:
         ray.shutdown()
         if haproxy_dir is not None and not args.detach:

@@ -333,12 +333,12 @@ class ReplicaServer:
         if capacity is None or capacity.attn_s_per_token_pair <= 0:
             return 0.0
         prompt = len(request.prompt_token_ids)
-        cached = self._resident.leading(request.key.block_hashes) * self.config.cache.block_size
+        cached = self._resident.leading(request.key.block_hashes) * request.key.block_size
         return capacity.prefill_attention_s(prompt, prompt - min(cached, prompt - 1))
 
     def _fair_ticket(self, request: GenerateRequest) -> FairTicket:
         """The request as fair share weighs it: the prompt tokens the engine must compute."""
-        cached = self._resident.leading(request.key.block_hashes) * self.config.cache.block_size
+        cached = self._resident.leading(request.key.block_hashes) * request.key.block_size
         work = max(1, len(request.prompt_token_ids) - cached)
         return FairTicket(request.request_id, request.tenant, request.priority, work)
 

@@ -7,7 +7,7 @@
 #   . node-env.sh HEAD_IP REDIS_PORT SERVE_CONFIG [VENV [SECRETS]]
 #
 #   PREFIXMESH_REDIS_URL       redis://HEAD_IP:REDIS_PORT/0: the registry on the head, over the
-#                              Serve config's registry.redis_url (prefixmesh/config.py)
+#                              Serve config's registry.redis_url (prefixmesh/config/load.py)
 #   PREFIXMESH_REDIS_PASSWORD  the first line of SECRETS/redis-password, a file `ray up` mounts
 #                              from the operator's machine (never in the repository)
 #   PATH                       VENV/bin first (ray, serve, prefixmesh, redis-server)

@@ -559,7 +559,7 @@ class _SchedulerSide:
         out: list[Any] = []
         for change in self.planner.take_changes():
             medium = change.tier.name
-            hashes = list(change.blocks)
+            hashes: list[bytes | int] = list(change.blocks)  # vLLM's event field type
             if change.kind is EventKind.STORED:
                 out.append(
                     BlockStored(

@@ -14,16 +14,17 @@ either side found the shared folder unusable (unwritable, full, unreadable).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, Counter, Gauge
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
-from vllm.v1.metrics.utils import create_metric_per_engine
+
+_Metric = TypeVar("_Metric", Counter, Gauge)
 
 COUNTERS: dict[str, str] = {
     "cpu_loads": "Blocks loaded from the CPU tier",
@@ -85,6 +86,11 @@ def counts_since(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str,
             if value != before.get(name, 0)}  # fmt: skip
 
 
+def _per_engine(metric: _Metric, labelvalues: dict[int, list[object]]) -> dict[int, _Metric]:
+    """vLLM's ``create_metric_per_engine``, keeping the metric's kind: its child per engine."""
+    return {index: metric.labels(*values) for index, values in labelvalues.items()}
+
+
 def _unregister_ours() -> None:
     """Forget the series an earlier engine of this process registered with prometheus_client
     (a second engine would otherwise fail on duplicates; vLLM does the same for its own,
@@ -106,18 +112,19 @@ class PrefixmeshPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_ours()
+        # vLLM's classes for each kind (prometheus_client's, or Ray's with the same methods).
+        counter: Callable[..., Counter] = metric_types[Counter]
+        gauge: Callable[..., Gauge] = metric_types[Gauge]
         self._counters = {
-            name: create_metric_per_engine(
-                self._counter_cls(
-                    name=METRIC_PREFIX + name, documentation=text, labelnames=labelnames
-                ),
+            name: _per_engine(
+                counter(name=METRIC_PREFIX + name, documentation=text, labelnames=labelnames),
                 per_engine_labelvalues,
             )
             for name, text in COUNTERS.items()
         }
         self._states = {
-            name: create_metric_per_engine(
-                self._gauge_cls(
+            name: _per_engine(
+                gauge(
                     name=METRIC_PREFIX + name,
                     documentation=text,
                     labelnames=labelnames,

@@ -104,7 +104,8 @@ class BackgroundLoader:
         if sys.platform == "linux" and self._nice:
             with contextlib.suppress(OSError):  # a container may forbid it: run at the default
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-        stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        cuda = self._device.type == "cuda"
+        stream = torch.cuda.Stream(self._device) if cuda else None  # type: ignore[no-untyped-call]
         while (load := self._next()) is not None:
             if isinstance(load, Prefetch):
                 self._run_prefetch(load)

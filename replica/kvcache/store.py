@@ -227,7 +227,7 @@ class TierStore:
         for index, slot, count in slot_runs(slots):
             self._slab[slot : slot + count].copy_(staged[index : index + count], non_blocking=True)
         if staged.is_cuda:
-            self._stores_done = torch.cuda.Event()
+            self._stores_done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's
             self._stores_done.record()
 
     def _move(self, block: BlockHash) -> None:

@@ -81,9 +81,31 @@ def test_an_unset_block_size_follows_the_engine() -> None:
     h100 = load_config(overrides=["replica.engine=sim", "cache.block_size=16"])
     assert h100.cache.block_size == 16
     assert load_config(overrides=["cache.block_size=null"]).cache.block_size == 32
-    # Built from sections, too.
-    built = PrefixmeshConfig(cache=CacheConfig(hash_seed=3), replica=ReplicaConfig(engine="sim"))
+    # Built from sections, too (a cache section given as settings may leave its size unset).
+    built = PrefixmeshConfig.model_validate(
+        {"cache": {"hash_seed": 3}, "replica": ReplicaConfig(engine="sim")}
+    )
     assert (built.cache.block_size, built.cache.hash_seed) == (128, 3)
+    assert PrefixmeshConfig(replica=ReplicaConfig(engine="sim")).cache.block_size == 128
+    sized = PrefixmeshConfig(cache=CacheConfig(block_size=64), replica=ReplicaConfig(engine="sim"))
+    assert sized.cache.block_size == 64
+
+
+def test_the_block_size_is_resolved_once_into_an_int() -> None:
+    """After validation the section holds an int, never None: a built ``CacheConfig`` needs its
+    size, since only the root knows the engine."""
+    assert type(load_config(overrides=["cache.block_size=null"]).cache.block_size) is int
+    with pytest.raises(ValidationError, match="block_size"):
+        CacheConfig()
+    with pytest.raises(ValidationError, match="block_size"):
+        CacheConfig(block_size=None)  # type: ignore[arg-type]
+
+
+def test_an_unknown_engine_is_the_only_error_of_an_unset_block_size() -> None:
+    for overrides in (["replica.engine=foo"], ["replica.engine=foo", "cache.block_size=null"]):
+        with pytest.raises(ValidationError) as raised:
+            load_config(overrides=overrides, environ={})
+        assert [e["loc"] for e in raised.value.errors()] == [("replica", "engine")]
 
 
 def test_a_dumped_config_keeps_its_block_size_under_another_engine() -> None:

@@ -206,8 +206,8 @@ class HotPrefixPolicy:
                     heapq.heappush(heap, (key, freq, len(heap), block, blocks))
                     return
 
-        for bucket, blocks in self._tiers[tier].queues():
-            push(cast(int, bucket), iter(blocks))
+        for bucket, queue in self._tiers[tier].queues():
+            push(cast(int, bucket), iter(queue))
         while heap:
             _, freq, _, block, blocks = heapq.heappop(heap)
             yield block

@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from collections.abc import Container, Hashable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.replica.kvcache.policy.base import BlockRef, CachePolicy, Promotion, deepest_first
@@ -75,13 +75,13 @@ class _Excluded:
         self._needed = needed
         self._limit = limit
         self._passed = 0
-        self.met: list[object] = []
+        self.met: list[BlockHash] = []
 
     def __contains__(self, block: object) -> bool:
         if block in self._pinned:
             self._passed += 1
         elif block in self._needed:
-            self.met.append(block)
+            self.met.append(cast(BlockHash, block))  # a needed block is a block hash
             self._passed += 1
         else:
             return False
@@ -185,7 +185,7 @@ class Lookahead:
         heap = self._heaps.get(tier)
         if not heap:
             return None
-        skipped = []
+        skipped: list[tuple[int, int, BlockHash]] = []
         found = None
         while heap and len(skipped) <= SCAN_LIMIT:
             negative_use, _, block = heap[0]
@@ -254,7 +254,7 @@ class Lookahead:
                 # scans do not meet them again (a queue's blocks age while it waits): they
                 # would have been kept anyway, and the scan stays short.
                 tier_of, depth = self._tier_of, self._depth
-                met = {b: None for b in excluded.met if tier_of.get(b) == tier}  # type: ignore[call-overload]
+                met = {b: None for b in excluded.met if tier_of.get(b) == tier}
                 self.policy.touch(tier, [BlockRef(b, None, depth[b]) for b in met])
             if victim is not None:
                 return victim
