@@ -283,17 +283,10 @@ class ReplicaHTTPServer(ReplicaServer):
         mine = ticket.replica_id == self.replica_id
         if not mine:
             self._metrics.redispatched.inc()
+            # A hold (and the blocks it matched) was meant for the replica the router chose.
+            ticket = dataclasses.replace(ticket, hold=None, matched_blocks=0)
         return GenerateRequest(
-            ticket.request_id,
-            ids,
-            key,
-            sampling,
-            # A hold was meant for the replica the router chose, not for this one.
-            hold=ticket.hold if mine else None,
-            routed_by=ticket.reason,
-            routed_to=ticket.replica_id,
-            matched_blocks=ticket.matched_blocks if mine else 0,
-            trace_context=trace_context,
+            ticket.request_id, ids, key, sampling, ticket=ticket, trace_context=trace_context
         )
 
     def _stream_failed(self, request_id: str) -> Any:

@@ -34,7 +34,7 @@ from prefixmesh.router.local_state import local_state
 from prefixmesh.router.registry_watch import RegistryWatch
 from prefixmesh.router.retry import AttemptFailed, retry_request, run_with_retry
 from prefixmesh.router.spans import NoRequestTrace, request_trace
-from prefixmesh.wire import GenerateRequest
+from prefixmesh.wire import GenerateRequest, RouteTicket
 from prefixmesh.wire.api_errors import error_response, install_error_handlers
 from prefixmesh.wire.auth import ApiKeys, refusal, request_tenant
 from prefixmesh.wire.generation import Generation
@@ -277,7 +277,7 @@ class IngressServer:
             REPLICA_HEADER: generation.replica_id,
             RETRIES_HEADER: str(done.retries),
             MATCHED_BLOCKS_HEADER: str(
-                generation.request.matched_blocks if generation.request else 0
+                generation.ticket.matched_blocks if generation.ticket else 0
             ),
         }
         if body.stream:
@@ -310,6 +310,10 @@ class IngressServer:
             with lock:
                 ledger.finished(request.request_id)
 
+        def routed() -> RouteTicket | None:  # the request router's decision, taken once
+            with lock:
+                return self._local.take_ticket(request.request_id)
+
         stream = self._replicas.options(stream=True).generate.remote(request)
         return Generation(
             stream,
@@ -320,6 +324,7 @@ class IngressServer:
             end,
             request=request,
             started_s=started_s,
+            routed=routed,
         )
 
     async def _collect(self, generation: Generation) -> tuple[str, str]:

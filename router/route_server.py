@@ -5,7 +5,9 @@ to the replica named in the answer, setting the answer's ``request_headers`` on 
 headers (``wire/route_ticket.py``). Here the body is validated, templated, tokenized and hashed,
 and the replica handle's request router (ours, ``serve_router.py``: registry lookup, policy,
 claims, speculative entries) picks the replica without dispatching anything
-(``choose_replica(..., _reserve=False)``). The replica serves and streams the response itself.
+(``serve_private.pick_replica``) and leaves its ``RouteTicket`` in the state this process
+shares with it (``LocalRouterState.take_ticket``); the ticket, with the replica Serve picked,
+becomes the trusted headers. The replica serves and streams the response itself.
 A claim the decision took stays here: this router's ledger releases it when a replica's report
 lists the request (``router/holds.py``).
 
@@ -28,6 +30,7 @@ replica refuses it as cheaply with the OpenAI error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -47,6 +50,7 @@ from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.router.local_state import local_state
 from prefixmesh.router.registry_watch import RegistryWatch
 from prefixmesh.router.spans import NO_ROUTER_TRACE, NoRouterTrace, router_trace
+from prefixmesh.serve_private import init_handle, pick_replica
 from prefixmesh.wire import GenerateRequest, LoadBalanced
 from prefixmesh.wire.api_errors import install_error_handlers
 from prefixmesh.wire.limits import BodySource, RequestLimits
@@ -82,7 +86,7 @@ class RouterServer:
         config = self.config
         tracing.setup(config.telemetry, "router")  # the request router shares this process
         self._replicas = replicas
-        self._replicas._init()  # build the handle's request router now, not at the first POST
+        init_handle(replicas)  # build the handle's request router now, not at the first POST
         self._encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
         self._hasher = make_hasher(config)
         self._local = local_state(config.app_name, lambda: make_memory_state(config))
@@ -155,10 +159,8 @@ class RouterServer:
         """The replica for ``generate`` (None: a load-balanced pick). ``abandoned``: a request
         whose decision was cut short by ``why`` (the deadline, an error) and is balanced now."""
         target: Any = generate if generate is not None else LoadBalanced()
-        async with self._replicas.choose_replica(target, _reserve=False) as selection:
-            replica = selection._replica
-            full_id = replica.replica_id.to_full_id_str()
-            unique_id = replica.replica_id.unique_id
+        picked = await pick_replica(self._replicas, target)
+        full_id, unique_id = picked.full_id, picked.unique_id
         trace.chose(unique_id, generate)
         if generate is None:
             self.fallbacks += 1
@@ -169,6 +171,7 @@ class RouterServer:
             # the entry (with any claim) leaves the replica that will not compute it.
             with self._local.lock:
                 self._local.ledger.moved(abandoned.request_id, ReplicaId(unique_id))
+                self._local.take_ticket(abandoned.request_id)  # a decision that came late
             ticket = RouteTicket(
                 request_id=abandoned.request_id,
                 replica_id=unique_id,
@@ -180,15 +183,19 @@ class RouterServer:
             )
             return JSONResponse({"replica_id": full_id, "request_headers": ticket.headers()})
         self.routed += 1
-        ticket = RouteTicket(
-            request_id=generate.request_id,
+        with self._local.lock:
+            decided = self._local.take_ticket(generate.request_id)
+        if decided is None:  # the request router fell back without a decision
+            decided = RouteTicket(
+                generate.request_id, unique_id, "", trace_context=generate.trace_context
+            )
+        ticket = dataclasses.replace(
+            decided,
             replica_id=unique_id,
-            reason=generate.routed_by,
-            matched_blocks=generate.matched_blocks,
             key_digest=key_digest(generate.key),
             arrived_ns=arrived_ns,
-            hold=generate.hold if generate.routed_to == unique_id else None,
-            trace_context=generate.trace_context,
+            # A hold binds to the replica it was decided for (Serve may take a lower rank).
+            hold=decided.hold if decided.replica_id == unique_id else None,
         )
         return JSONResponse({"replica_id": full_id, "request_headers": ticket.headers()})
 

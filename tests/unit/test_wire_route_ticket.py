@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from prefixmesh.cache_registry.types import BlockHash, PrefixKey
-from prefixmesh.wire import HoldInstruction
+from prefixmesh.wire import Hold
 from prefixmesh.wire.route_ticket import TRUSTED_PREFIX, RouteTicket, key_digest
 
 
@@ -17,7 +17,7 @@ def ticket(**changes: object) -> RouteTicket:
         "matched_blocks": 3,
         "key_digest": key_digest(key(1, 2, 3)),
         "arrived_ns": 1_700_000_000_000_000_000,
-        "hold": HoldInstruction(2, 0.25),
+        "hold": Hold(2, 0.25),
         "trace_context": {"traceparent": "00-abc-def-01"},
     }
     fields.update(changes)

@@ -14,7 +14,7 @@ from prefixmesh.replica.holds import (
     combined_hold,
     own_hold,
 )
-from prefixmesh.wire import HoldInstruction, ReplicaCapacity
+from prefixmesh.wire import Hold, ReplicaCapacity
 
 HASHER = BlockHasher(2, "m")
 LONG = HASHER.hash_tokens(list(range(12)))  # 6 blocks
@@ -76,7 +76,7 @@ def test_a_replica_holds_only_for_blocks_its_engine_does_not_have() -> None:
     inflight = InflightPrefills()
     inflight.started("a", LONG, prompt_tokens=12)
     hold = own_hold(inflight, SIBLING, resident_blocks=0, min_blocks=2, capacity=RATE_4)
-    assert hold == HoldInstruction(4, 2.0 * 12 / 4.0 + 0.05)
+    assert hold == Hold(4, 2.0 * 12 / 4.0 + 0.05)
     assert own_hold(inflight, SIBLING, resident_blocks=4, min_blocks=2, capacity=RATE_4) is None
     assert own_hold(inflight, SIBLING, resident_blocks=3, min_blocks=2, capacity=RATE_4) is None
     assert own_hold(inflight, SIBLING, resident_blocks=2, min_blocks=2, capacity=RATE_4) is not None
@@ -95,9 +95,9 @@ def test_a_replicas_own_hold_lasts_through_a_long_prompts_attention() -> None:
 
 
 def test_the_router_hold_and_the_replica_hold_combine_to_the_longer_one() -> None:
-    router = HoldInstruction(3, 0.5)
-    own = HoldInstruction(4, 0.2)
-    assert combined_hold(router, own, resident_blocks=0) == HoldInstruction(4, 0.5)
+    router = Hold(3, 0.5)
+    own = Hold(4, 0.2)
+    assert combined_hold(router, own, resident_blocks=0) == Hold(4, 0.5)
     assert combined_hold(router, None, resident_blocks=0) == router
     assert combined_hold(None, own, resident_blocks=0) == own
     assert combined_hold(None, None, resident_blocks=0) is None
@@ -156,7 +156,7 @@ def test_nothing_in_flight_and_no_router_hold_asks_nothing() -> None:
 
 
 def test_the_replica_holds_on_its_own_only_when_told_it_may() -> None:
-    router_hold = HoldInstruction(2, 0.5)
+    router_hold = Hold(2, 0.5)
     for own_holds in (True, False):
         holds = ReplicaHolds(HoldSettings(own_holds=own_holds, min_blocks=1))
         holds.inflight.started("a", LONG, 12)
@@ -173,7 +173,7 @@ def test_the_replica_holds_on_its_own_only_when_told_it_may() -> None:
 
 async def test_only_a_routers_hold_waits_for_its_prefill_to_arrive() -> None:
     holds = ReplicaHolds(HoldSettings(own_holds=True, arrival_grace_s=5.0))
-    hold = HoldInstruction(4, 5.0)
+    hold = Hold(4, 5.0)
     assert await holds.wait(hold, SIBLING, from_router=False) < 1.0  # no grace: at once
     waiter = asyncio.create_task(holds.wait(hold, SIBLING, from_router=True))
     await asyncio.sleep(0)

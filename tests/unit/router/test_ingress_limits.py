@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -21,7 +20,7 @@ from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.config import load_config
 from prefixmesh.router import ingress
 from prefixmesh.router.ingress import IngressServer
-from prefixmesh.router.ledger import LoadLedger
+from prefixmesh.router.local_state import LocalRouterState
 from prefixmesh.wire import GenerateChunk, GenerateRequest
 from prefixmesh.wire.limits import RequestLimits
 from prefixmesh.wire.openai_render import PromptEncoder
@@ -117,7 +116,7 @@ def proxy(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> Iterator[Ingress]:
         _replicas=_Replicas(),
         _encoder=encoder,
         _hasher=make_hasher(config),
-        _local=SimpleNamespace(ledger=LoadLedger(), lock=threading.Lock()),
+        _local=LocalRouterState(registry=None),  # type: ignore[arg-type]
         _metrics=RequestMetrics(),
         _max_model_len=64,
         _limits=RequestLimits.from_config(config, tokenizer),

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.config import load_config
 from prefixmesh.router import route_server
+from prefixmesh.router.local_state import LocalRouterState
 from prefixmesh.router.route_server import TRUNCATED_HEADER, RouterServer
 from prefixmesh.wire.limits import RequestLimits
 from prefixmesh.wire.openai_render import PromptEncoder
@@ -62,14 +63,17 @@ def router(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> Iterator[Router]:
     config = load_config(overrides=list(LIMITS))
     encoder = PromptEncoder(tokenizer)
     fell_back: list[str] = []
+    local = LocalRouterState(registry=None)  # type: ignore[arg-type]
+    local.metrics = SimpleNamespace(fell_back=fell_back.append)  # type: ignore[assignment]
+    replicas = _Replicas("r1", "r1", local)
     server = bind(
         monkeypatch,
         RouterServer,
         config=config,
-        _replicas=_Replicas("r1", "r1"),
+        _replicas=replicas,
         _encoder=encoder,
         _hasher=make_hasher(config),
-        _local=SimpleNamespace(metrics=SimpleNamespace(fell_back=fell_back.append)),
+        _local=local,
         _max_model_len=64,
         _limits=RequestLimits.from_config(config, tokenizer),
         _budget_s=5.0,
