@@ -23,10 +23,13 @@ class ServeRequestRouter(RequestRouter):
 
     def _get_pending_request_matching_metadata(self, request_metadata: Any = None) -> Any:
         """The pending request a chosen replica goes to: the one whose metadata object it was
-        chosen for (Ray 2.60: ``RequestRouter._fulfill_next_pending_request`` calls this
-        private hook, and ``_pending_requests_to_fulfill`` holds the pending requests).
+        chosen for (Ray 2.60: the private hook ``FIFOMixin._fulfill_next_pending_request``
+        calls, over ``RequestRouter._pending_requests_to_fulfill``). NOTE: in Ray 2.60 the base
+        ``RequestRouter._fulfill_next_pending_request`` matches by internal request id and
+        does not call this hook (only ``FIFOMixin`` does); it is kept as it was, for Ray
+        versions (and mixins) that hand a replica to the oldest pending request.
 
-        Serve's base class hands the replica chosen for a request to the OLDEST pending
+        Serve's FIFO mixin hands the replica chosen for a request to the OLDEST pending
         request unless a mixin matches metadata (only MultiplexMixin does). Our decisions are
         per request (its prefix, its hold), so the replica must go to the request it was
         chosen for. Serve's internal request id does not tell requests apart (calls made while
