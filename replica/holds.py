@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -217,7 +216,8 @@ class ReplicaHolds:
     async def wait(self, hold: Hold, key: PrefixKey, from_router: bool) -> float:
         """Wait out ``hold``; the seconds it took. Only a router's hold may arrive before the
         request it waits for: it alone gets the arrival grace."""
-        started = time.monotonic()
+        loop = asyncio.get_running_loop()  # the clock the hold's bounds run on
+        started = loop.time()
         grace_s = self.settings.arrival_grace_s if from_router else 0.0
         await self.inflight.wait(key, hold.num_blocks, hold.max_wait_s, grace_s)
-        return time.monotonic() - started
+        return loop.time() - started
