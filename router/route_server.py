@@ -171,7 +171,7 @@ class RouterServer:
             # the entry (with any claim) leaves the replica that will not compute it.
             with self._local.lock:
                 self._local.ledger.moved(abandoned.request_id, ReplicaId(unique_id))
-                self._local.take_ticket(abandoned.request_id)  # a decision that came late
+                late = self._local.take_ticket(abandoned.request_id)  # decided, then cut short
             ticket = RouteTicket(
                 request_id=abandoned.request_id,
                 replica_id=unique_id,
@@ -179,7 +179,7 @@ class RouterServer:
                 matched_blocks=0,
                 key_digest=key_digest(abandoned.key),
                 arrived_ns=arrived_ns,
-                trace_context=abandoned.trace_context,
+                trace_context=late.trace_context if late else abandoned.trace_context,
             )
             return JSONResponse({"replica_id": full_id, "request_headers": ticket.headers()})
         self.routed += 1

@@ -46,23 +46,20 @@ class PrefixmeshRequestRouter(ServeRequestRouter):
         self,
         config_json: str = "{}",
         *,
-        local: LocalRouterState | None = None,
-        core: RoutingCore | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         **_: Any,
     ) -> None:
-        """Serve calls it with ``config_json``; tests pass ``local`` (the shared state),
-        ``core`` (a ``RoutingCore`` over it), ``rng`` and ``clock`` (the decisions' time, and when
-        tickets expire)."""
+        """Serve calls it with ``config_json``; tests may pass ``rng`` and ``clock`` (the
+        decisions' time, and when tickets nobody took expire)."""
         self._config = PrefixmeshConfig.model_validate_json(config_json)
         config = self._config
-        self._local: LocalRouterState = local or local_state(
+        self._local: LocalRouterState = local_state(
             config.app_name, lambda: make_memory_state(config)
         )
         with self._local.lock:
             self._local.stats_source = self
-        self._core = core or RoutingCore(config, self._local, spawn=self._spawn, clock=clock)
+        self._core = RoutingCore(config, self._local, spawn=self._spawn, clock=clock)
         self._metrics = self._local.metrics
         self._background: set[asyncio.Task[Any]] = set()
         self._rng = rng or random.Random()

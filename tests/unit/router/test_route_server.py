@@ -99,6 +99,28 @@ async def test_a_decision_cut_short_keeps_the_request_s_id_for_the_replica_to_en
     assert local.ledger.load() == {ReplicaId("r2"): LedgerLoad(1, 0, 10)}
 
 
+async def test_a_decision_that_came_before_the_cut_leaves_only_its_trace_context() -> None:
+    """The request router decided, then the deadline struck: its ticket is taken (nothing is
+    left behind), the balanced pick's ticket keeps the decision's span as the replica's parent
+    and nothing else of it (its hold was meant for another replica's prefill)."""
+    router = _router("r2", "")
+    decision = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    late = RouteTicket("cmpl-1", "r1", "hold", 2, hold=Hold(2, 0.25), trace_context=decision)
+    with router._local.lock:
+        router._local.record_ticket(late, 0.0, 600.0)
+    cut_short = GenerateRequest("cmpl-1", tuple(range(10)), KEY, SamplingSettings(4))
+    response = await RouterServer._choose(router, None, 7, abandoned=cut_short, why="timeout")
+    ticket = RouteTicket.from_headers(json.loads(response.body)["request_headers"])
+    assert ticket is not None and ticket.trace_context == decision
+    assert (ticket.replica_id, ticket.reason, ticket.hold, ticket.matched_blocks) == (
+        "r2",
+        "fallback_timeout",
+        None,
+        0,
+    )
+    assert router._local.pending_tickets == 0
+
+
 async def test_a_request_the_request_router_fell_back_on_gets_a_bare_ticket() -> None:
     """No decision left in the shared state (the request router fell back to power of two):
     the ticket names the pick and nothing decided."""
