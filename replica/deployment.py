@@ -26,7 +26,14 @@ from prefixmesh.metrics.ray_sink import serve_replica_sink
 from prefixmesh.metrics.runtime import RuntimeMetrics
 from prefixmesh.metrics.sink import PrometheusSink, Tee
 from prefixmesh.replica.coalesce import coalesced
-from prefixmesh.replica.engines.base import Engine, EngineRequest, HeldMirror, Residency
+from prefixmesh.replica.engines.base import (
+    BlockChange,
+    CacheChangeSink,
+    Engine,
+    EngineRequest,
+    HeldMirror,
+    Residency,
+)
 from prefixmesh.replica.fair_gate import FairGate
 from prefixmesh.replica.fair_share import FairTicket
 from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
@@ -88,7 +95,9 @@ def shared_tier_folder(config: PrefixmeshConfig) -> Path | None:
     return rank_folder(cache_folder(kvcache.shared_dir, make_hasher(config)), 0)
 
 
-def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any) -> Engine:
+def make_engine(
+    config: PrefixmeshConfig, model_path: str, rank: int, sink: CacheChangeSink
+) -> Engine:
     hasher = make_hasher(config)
     if config.replica.engine == "vllm":
         from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
@@ -202,7 +211,7 @@ class ReplicaCore:
         self._running: set[str] = set()
         self._finished: deque[str] = deque(maxlen=FINISHED_IDS_KEPT)
 
-    def _on_changes(self, changes: Any) -> None:
+    def _on_changes(self, changes: Sequence[BlockChange]) -> None:
         self._resident.apply(changes)
         self.publisher.submit(changes)
 
