@@ -110,8 +110,9 @@ def with_ingress_request_router(bound_replicas: Any, bound_router: Any) -> Any:
 
 def power_of_two_router_class() -> type[RequestRouter]:
     """Serve's default request router (Ray 2.60: ``ray.serve._private.request_router.
-    PowerOfTwoChoicesRequestRouter``), for side-by-side comparisons."""
-    from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+    PowerOfTwoChoicesRequestRouter``, defined in ``pow_2_router``), for side-by-side
+    comparisons."""
+    from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
     router: type[RequestRouter] = PowerOfTwoChoicesRequestRouter
     return router

@@ -319,7 +319,8 @@ class ReplicaCore:
 
     def capacity(self) -> ReplicaCapacity | None:
         """The engine's capacity (None if it reports none it knows)."""
-        return self.engine.capacity()
+        capacity: ReplicaCapacity | None = self.engine.capacity()
+        return capacity
 
     def report(self) -> ReplicaReport:
         """Load for routing, plus counters for tests and benchmarks."""

@@ -74,7 +74,8 @@ class Routed:
 
     @property
     def hold(self) -> Hold | None:
-        return self.decision.hold
+        hold: Hold | None = self.decision.hold
+        return hold
 
     def ticket(
         self, request: GenerateRequest, trace_context: Mapping[str, str] | None = None

@@ -312,7 +312,8 @@ class IngressServer:
 
         def routed() -> RouteTicket | None:  # the request router's decision, taken once
             with lock:
-                return self._local.take_ticket(request.request_id)
+                ticket: RouteTicket | None = self._local.take_ticket(request.request_id)
+            return ticket
 
         stream = self._replicas.options(stream=True).generate.remote(request)
         return Generation(
