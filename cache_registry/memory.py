@@ -20,6 +20,7 @@ from prefixmesh.cache_registry.hashing import CacheFingerprint, FingerprintMisma
 from prefixmesh.cache_registry.holders import ReplicaIndex, Row, RunSegment, count_segments
 from prefixmesh.cache_registry.hotness import DecayedCount, rate_per_s, touched
 from prefixmesh.cache_registry.protocol import group_by_replica
+from prefixmesh.cache_registry.registry_health import HEALTHY, RegistryHealth
 from prefixmesh.cache_registry.sequencing import SeqAction, SequenceState, check_sequence
 from prefixmesh.cache_registry.types import (
     DROPPED_REPLICA_MEMORY_S,
@@ -396,6 +397,16 @@ class InMemoryRegistry:
         self._lock: AbstractContextManager[Any] = lock if lock is not None else nullcontext()
         self._released: dict[BlockHash, asyncio.Event] = {}
         self.state.add_release_listener(self._on_release)
+
+    @property
+    def available(self) -> bool:
+        """In process: always."""
+        return True
+
+    @property
+    def health(self) -> RegistryHealth:
+        """In process: always healthy."""
+        return HEALTHY
 
     def _now(self, call: Callable[[], T]) -> asyncio.Future[T]:
         """``call``'s outcome as a finished future (on the running loop)."""

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Collection, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from prefixmesh.cache_registry.hashing import CacheFingerprint
+from prefixmesh.cache_registry.registry_health import RegistryHealth
 from prefixmesh.cache_registry.types import (
     BlockHash,
     CacheEvent,
@@ -34,6 +35,19 @@ from prefixmesh.cache_registry.types import (
 class CacheRegistry(Protocol):
     fingerprint: CacheFingerprint
     stats: RegistryStats
+
+    @property
+    def available(self) -> bool:
+        """Whether a call now can get an answer: False while the backend backs off after a
+        failure or after a fingerprint mismatch (the in-process registry always can). A lookup
+        that finds nothing on an unavailable registry is ``unavailable``, not ``empty``."""
+        ...
+
+    @property
+    def health(self) -> RegistryHealth:
+        """What this client knows of the registry's health from its own calls (healthy, a
+        fingerprint mismatch, its latest failure while it lasts)."""
+        ...
 
     async def connect(self) -> None:
         """Check (or record) the fingerprint; raises ``FingerprintMismatchError`` on a mismatch.

@@ -36,10 +36,9 @@ from prefixmesh.replica.model.profile import EngineProfile
 from prefixmesh.replica.model.records import (
     CacheChanged,
     EngineEvent,
-    EngineRequest,
     Finished,
-    HoldSpec,
     RequestRecord,
+    SimRequest,
 )
 from prefixmesh.router.policy.base import RouteRequest, RoutingPolicy, registry_view
 
@@ -227,7 +226,7 @@ class ClusterSim:
             registry.touch(group, policy.traffic_weight(route_request))
         policy.on_routed(route_request, replica.replica_id, now)
         hold = decision.hold
-        engine_request = EngineRequest(
+        engine_request = SimRequest(
             request.request_id,
             key,
             request.prompt_tokens,
@@ -243,9 +242,7 @@ class ClusterSim:
         )
         engine = replica.engine
         self._handle(replica, engine.advance(now))  # nothing is due: step ends come first
-        engine.submit(
-            engine_request, now, HoldSpec(hold.num_blocks, hold.max_wait_s) if hold else None
-        )
+        engine.submit(engine_request, now, hold)
         self._reschedule(replica)
 
     def _speculate(

@@ -1,7 +1,7 @@
 """Simulated replicas as the router sees them: capacity and load snapshots from engine models.
 
 A simulated replica reports what a real one does, a ``ReplicaReport`` (its capacity from its
-``EngineProfile``, its load from its ``EngineLoad``), and the router turns it into the policy's
+``EngineProfile``, its load from its ``ModelLoad``), and the router turns it into the policy's
 ``ReplicaSnapshot`` in the same place it turns a real replica's report (``replica_load``).
 replica/ does not import router/ (docs/design.md section 4); loadtest/ may import both.
 """
@@ -13,7 +13,7 @@ from prefixmesh.replica.kvcache.policy import TierPolicy
 from prefixmesh.replica.model.engine import EngineModel
 from prefixmesh.replica.model.prefix_cache import SharedTier
 from prefixmesh.replica.model.profile import EngineProfile
-from prefixmesh.replica.model.records import EngineLoad
+from prefixmesh.replica.model.records import ModelLoad
 from prefixmesh.router.policy.base import ReplicaSnapshot
 from prefixmesh.router.replica_load import snapshot_of
 from prefixmesh.wire import ReplicaCapacity, ReplicaReport
@@ -36,7 +36,7 @@ def capacity(profile: EngineProfile, tp_degree: int = 1) -> ReplicaCapacity:
     )
 
 
-def report(load: EngineLoad, capacity: ReplicaCapacity) -> ReplicaReport:
+def report(load: ModelLoad, capacity: ReplicaCapacity) -> ReplicaReport:
     """The report of a replica with this load: the router's view of it, exact and current."""
     return ReplicaReport(
         queued_requests=load.queued_requests,
@@ -68,7 +68,7 @@ class SimReplica:
         self.capacity = capacity(profile, tp_degree)
         self.seq = 0
         """Next cache-event sequence number."""
-        self._load: EngineLoad | None = None
+        self._load: ModelLoad | None = None
         self._snapshot: ReplicaSnapshot | None = None
 
     def snapshot(self) -> ReplicaSnapshot:

@@ -39,19 +39,13 @@ def replica_env(config: PrefixmeshConfig) -> dict[str, str]:
 def request_router_class(config: PrefixmeshConfig) -> Any:
     """The Ray Serve RequestRouter class of ``routing.serve_request_router``: ours, or one of
     Ray's own (with their shipped defaults) for side-by-side comparisons."""
+    from prefixmesh import serve_private
+
     choice = config.routing.serve_request_router
     if choice == "ray_pow2":
-        from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
-
-        return PowerOfTwoChoicesRequestRouter
+        return serve_private.power_of_two_router_class()
     if choice == "ray_prefix_affinity":
-        # The public alias (ray.serve.llm.request_router) needs vLLM or SGLang and pyarrow to
-        # import; this class is the same router and imports without them.
-        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
-            PrefixCacheAffinityRouter,
-        )
-
-        return PrefixCacheAffinityRouter
+        return serve_private.prefix_affinity_router_class()
     from prefixmesh.router.serve_router import PrefixmeshRequestRouter
 
     return PrefixmeshRequestRouter
@@ -127,9 +121,11 @@ def build_app(config: PrefixmeshConfig) -> Any:
     bound_replicas = replicas.bind(config_json, model_path, front_name)
     bound_front = front.bind(bound_replicas, config_json, model_path)
     if direct:
-        # Ray's private hook (Ray Serve LLM's direct streaming uses it): the replicas are the
-        # HTTP ingress, and HAProxy asks the router deployment which one takes each POST.
-        return bound_replicas._with_ingress_request_router(bound_front)
+        # The replicas are the HTTP ingress, and HAProxy asks the router deployment which one
+        # takes each POST (a private hook of Ray's).
+        from prefixmesh.serve_private import with_ingress_request_router
+
+        return with_ingress_request_router(bound_replicas, bound_front)
     return bound_front
 
 

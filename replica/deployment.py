@@ -18,7 +18,7 @@ from typing import Any
 
 from prefixmesh import tracing
 from prefixmesh.cache_registry.factory import make_hasher, make_registry
-from prefixmesh.cache_registry.redis_registry import RedisRegistry
+from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.registry_health import HEALTHY, RegistryHealth
 from prefixmesh.cache_registry.types import SHARED_TIER, CacheEvent, PublishResult, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
@@ -26,7 +26,14 @@ from prefixmesh.metrics.ray_sink import serve_replica_sink
 from prefixmesh.metrics.runtime import RuntimeMetrics
 from prefixmesh.metrics.sink import PrometheusSink, Tee
 from prefixmesh.replica.coalesce import coalesced
-from prefixmesh.replica.engines.base import Engine, EngineRequest, HeldMirror, Residency
+from prefixmesh.replica.engines.base import (
+    BlockChange,
+    CacheChangeSink,
+    Engine,
+    EngineRequest,
+    HeldMirror,
+    Residency,
+)
 from prefixmesh.replica.fair_gate import FairGate
 from prefixmesh.replica.fair_share import FairTicket
 from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
@@ -88,7 +95,9 @@ def shared_tier_folder(config: PrefixmeshConfig) -> Path | None:
     return rank_folder(cache_folder(kvcache.shared_dir, make_hasher(config)), 0)
 
 
-def make_engine(config: PrefixmeshConfig, model_path: str, rank: int, sink: Any) -> Engine:
+def make_engine(
+    config: PrefixmeshConfig, model_path: str, rank: int, sink: CacheChangeSink
+) -> Engine:
     hasher = make_hasher(config)
     if config.replica.engine == "vllm":
         from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
@@ -153,90 +162,56 @@ def _no_gpu() -> bool:
         return True
 
 
-class ReplicaServer:
-    """The body of the Serve deployment (``prefixmesh.app`` wraps it with @serve.deployment)."""
+class ReplicaCore:
+    """The replica's logic over its parts, built by its constructor (tests pass fakes): it
+    serves requests (holds, fair share, the engine's stream), counts what reached it, reports
+    its load and leaves for good. ``ReplicaServer`` builds the parts for Serve and starts them.
+    """
 
-    _registry: Any = None  # a server built without __init__ (unit tests) has none
-    runtime: RuntimeWatch | None = None
-    progress: ProgressReporter | None = None
-    shared_tier: SharedTierPublisher | None = None
-    fair: FairGate | None = None
-
-    async def __init__(self, config_json: str, model_path: str, ingress_name: str) -> None:
-        from ray import serve
-
-        self.config = PrefixmeshConfig.model_validate_json(config_json)
-        tracing.setup(self.config.telemetry, "replica")
-        context = serve.get_replica_context()
-        self.replica_id = ReplicaId(context.replica_id.unique_id)
-        rank = context.rank.rank if hasattr(context.rank, "rank") else int(context.rank)
-        self._registry: Any = None
-        target: EventTarget
-        self.progress: ProgressReporter | None = None
-        if self.config.registry.backend == "redis":
-            self._registry = make_registry(self.config)
-            await self._registry.connect()
-            target = self._registry
-        else:
-            target = router = IngressEventTarget(self.config.app_name, ingress_name)
-            if self.config.progress_to_router:
-                interval_s = self.config.replica.publish_interval_ms / 1000
-                self.progress = ProgressReporter(self.replica_id, router, interval_s)
-        self.holds = ReplicaHolds(HoldSettings.from_config(self.config))
+    def __init__(
+        self,
+        config: PrefixmeshConfig,
+        replica_id: ReplicaId,
+        engine: Engine,
+        publisher: EventPublisher,
+        *,
+        registry: CacheRegistry | None = None,
+        holds: ReplicaHolds | None = None,
+        fair: FairGate | None = None,
+        progress: ProgressReporter | None = None,
+        shared_tier: SharedTierPublisher | None = None,
+        runtime: RuntimeWatch | None = None,
+        runtime_metrics: PrometheusSink | None = None,
+    ) -> None:
+        """``registry``: the shared registry this replica's client talks to (None: the
+        in-process one, reached through the ingress); ``holds``: from the config when not
+        given; ``fair``: the fair-share gate (None: every request equal); ``progress``: the
+        reporter of first tokens and ends to the router; ``runtime`` and ``runtime_metrics``:
+        the GC, loop and token-interval watch and the sink it fills."""
+        self.config = config
+        self.replica_id = replica_id
+        self.engine = engine
+        self.publisher = publisher
+        self._registry = registry
+        self.holds = holds or ReplicaHolds(HoldSettings.from_config(config))
         self._resident = HeldMirror()
         """What the engine holds, from its changes: a hold waits only for blocks not here."""
-        self.fair = FairGate.from_config(self.config.replica.fair_share)
-        self._coalesce = self.config.replica.coalesce_stream
-        self.engine = make_engine(self.config, model_path, rank, self._on_changes)
-        registry = self.config.registry
-        self.publisher = EventPublisher(
-            self.replica_id,
-            target,
-            lambda: self.engine.residency(),
-            interval_s=self.config.replica.publish_interval_ms / 1000,
-            heartbeat_s=registry.heartbeat_interval_s,
-            liveness=self._registry,
-            # Redis is shared: every live replica reaps the silent ones (an atomic, idempotent
-            # script), so a replica killed while idle leaves even if no router notices.
-            reap_interval_s=registry.reap_interval_s if self._registry is not None else None,
-            dead_after_s=registry.dead_after_s,
-        )
-        await self.engine.start()
-        self.publisher.start()
-        self.shared_tier: SharedTierPublisher | None = None
-        if (folder := shared_tier_folder(self.config)) is not None:
-
-            def shared_publisher(residency: Callable[[], Residency]) -> EventPublisher:
-                return EventPublisher(
-                    SHARED_TIER,
-                    target,
-                    residency,
-                    interval_s=self.config.replica.publish_interval_ms / 1000,
-                    heartbeat_s=registry.heartbeat_interval_s,
-                    liveness=self._registry,
-                )
-
-            interval_s = self.config.kvcache.shared_scan_interval_s
-            self.shared_tier = SharedTierPublisher(folder, shared_publisher, interval_s)
-            self.shared_tier.start()
-        if self.progress is not None:
-            self.progress.start()
-        self.runtime_metrics = PrometheusSink()
+        self.fair = fair
+        self._coalesce = config.replica.coalesce_stream
+        self.progress = progress
+        self.shared_tier = shared_tier
+        self.runtime = runtime
+        self.runtime_metrics = runtime_metrics or PrometheusSink()
         """GC pauses, loop lag and the engine's token intervals: this replica's own text (the
         direct path's /metrics) and the cluster view."""
-        self.runtime = RuntimeWatch(
-            self.engine, RuntimeMetrics(Tee(self.runtime_metrics, serve_replica_sink()))
-        )
-        self.runtime.start()
         self._prefill_tokens: dict[str, int] = {}
         self._prefill_attention_s: dict[str, float] = {}
         """The attention each queued prompt costs beyond the linear rate, for the part of it
         the engine did not hold when it arrived (only prompts that cost any)."""
         self._running: set[str] = set()
         self._finished: deque[str] = deque(maxlen=FINISHED_IDS_KEPT)
-        logger.info("replica %s (rank %d) ready", self.replica_id, rank)
 
-    def _on_changes(self, changes: Any) -> None:
+    def _on_changes(self, changes: Sequence[BlockChange]) -> None:
         self._resident.apply(changes)
         self.publisher.submit(changes)
 
@@ -343,8 +318,9 @@ class ReplicaServer:
         return FairTicket(request.request_id, request.tenant, request.priority, work)
 
     def capacity(self) -> ReplicaCapacity | None:
-        """The engine's capacity (None if it reports none that can be read)."""
-        return ReplicaCapacity.from_wire(self.engine.capacity())
+        """The engine's capacity (None if it reports none it knows)."""
+        capacity: ReplicaCapacity | None = self.engine.capacity()
+        return capacity
 
     def report(self) -> ReplicaReport:
         """Load for routing, plus counters for tests and benchmarks."""
@@ -398,9 +374,7 @@ class ReplicaServer:
         """What this replica's own registry client saw last (it publishes every few ms and
         heartbeats every second, so an unreachable Redis, a refused password or another
         cluster's fingerprint shows within a second); the in-process registry is healthy."""
-        if isinstance(self._registry, RedisRegistry):
-            return self._registry.health
-        return HEALTHY
+        return self._registry.health if self._registry is not None else HEALTHY
 
     async def check_health(self) -> None:
         """Serve replaces a replica whose check raises: a dead engine fails every request."""
@@ -429,3 +403,81 @@ class ReplicaServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
+
+
+class ReplicaServer(ReplicaCore):
+    """The body of the Serve deployment (``prefixmesh.app`` wraps it with @serve.deployment):
+    it builds the core's parts from the config and Serve's replica context (the registry
+    connects, the engine starts), then starts them."""
+
+    async def __init__(self, config_json: str, model_path: str, ingress_name: str) -> None:  # type: ignore[misc]
+        from ray import serve
+
+        config = PrefixmeshConfig.model_validate_json(config_json)
+        tracing.setup(config.telemetry, "replica")
+        context = serve.get_replica_context()
+        replica_id = ReplicaId(context.replica_id.unique_id)
+        rank = context.rank.rank if hasattr(context.rank, "rank") else int(context.rank)
+        registry: CacheRegistry | None = None
+        target: EventTarget
+        progress: ProgressReporter | None = None
+        if config.registry.backend == "redis":
+            registry = target = make_registry(config)
+            await registry.connect()
+        else:
+            target = router = IngressEventTarget(config.app_name, ingress_name)
+            if config.progress_to_router:
+                interval_s = config.replica.publish_interval_ms / 1000
+                progress = ProgressReporter(replica_id, router, interval_s)
+        # The engine's changes reach the core built below (none come before it starts).
+        engine = make_engine(config, model_path, rank, lambda changes: self._on_changes(changes))
+        reg = config.registry
+        publisher = EventPublisher(
+            replica_id,
+            target,
+            engine.residency,
+            interval_s=config.replica.publish_interval_ms / 1000,
+            heartbeat_s=reg.heartbeat_interval_s,
+            liveness=registry,
+            # Redis is shared: every live replica reaps the silent ones (an atomic, idempotent
+            # script), so a replica killed while idle leaves even if no router notices.
+            reap_interval_s=reg.reap_interval_s if registry is not None else None,
+            dead_after_s=reg.dead_after_s,
+        )
+        shared_tier: SharedTierPublisher | None = None
+        if (folder := shared_tier_folder(config)) is not None:
+
+            def shared_publisher(residency: Callable[[], Residency]) -> EventPublisher:
+                return EventPublisher(
+                    SHARED_TIER,
+                    target,
+                    residency,
+                    interval_s=config.replica.publish_interval_ms / 1000,
+                    heartbeat_s=reg.heartbeat_interval_s,
+                    liveness=registry,
+                )
+
+            interval_s = config.kvcache.shared_scan_interval_s
+            shared_tier = SharedTierPublisher(folder, shared_publisher, interval_s)
+        runtime_metrics = PrometheusSink()
+        runtime = RuntimeWatch(engine, RuntimeMetrics(Tee(runtime_metrics, serve_replica_sink())))
+        super().__init__(
+            config,
+            replica_id,
+            engine,
+            publisher,
+            registry=registry,
+            fair=FairGate.from_config(config.replica.fair_share),
+            progress=progress,
+            shared_tier=shared_tier,
+            runtime=runtime,
+            runtime_metrics=runtime_metrics,
+        )
+        await engine.start()
+        publisher.start()
+        if shared_tier is not None:
+            shared_tier.start()
+        if progress is not None:
+            progress.start()
+        runtime.start()
+        logger.info("replica %s (rank %d) ready", replica_id, rank)

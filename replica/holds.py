@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prefixmesh.cache_registry.types import BlockHash, PrefixKey
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.wire import HoldInstruction, ReplicaCapacity
+from prefixmesh.wire import Hold, ReplicaCapacity
 
 
 @dataclass
@@ -127,7 +126,7 @@ def own_hold(
     resident_blocks: int,
     min_blocks: int,
     capacity: ReplicaCapacity | None,
-) -> HoldInstruction | None:
+) -> Hold | None:
     """Delay-hit deferral a replica applies on its own: a request that shares a long prefix
     with a prefill in progress here would compute the same blocks again in the same batch (vLLM
     does not deduplicate them); waiting for them costs about the same time and saves the work.
@@ -149,19 +148,17 @@ def own_hold(
     prefill_s = tokens / rate if rate > 0 else float(tokens)
     if capacity is not None:
         prefill_s += capacity.prefill_attention_s(tokens, tokens)
-    return HoldInstruction(shared, 2.0 * prefill_s + 0.05)
+    return Hold(shared, 2.0 * prefill_s + 0.05)
 
 
-def combined_hold(
-    router_hold: HoldInstruction | None, own: HoldInstruction | None, resident_blocks: int
-) -> HoldInstruction | None:
+def combined_hold(router_hold: Hold | None, own: Hold | None, resident_blocks: int) -> Hold | None:
     """The router's hold and the replica's own, with the longer bound of the two (the replica
     sees its prefill directly, the router estimated it); none if the engine already holds
     every block the hold is for (the router's view lags the engine's)."""
     if router_hold is None or own is None:
         hold = router_hold or own
     else:
-        hold = HoldInstruction(
+        hold = Hold(
             max(router_hold.num_blocks, own.num_blocks),
             max(router_hold.max_wait_s, own.max_wait_s),
         )
@@ -199,11 +196,11 @@ class ReplicaHolds:
 
     def hold_for(
         self,
-        router_hold: HoldInstruction | None,
+        router_hold: Hold | None,
         key: PrefixKey,
         resident_blocks: Callable[[], int],
         capacity: Callable[[], ReplicaCapacity | None],
-    ) -> HoldInstruction | None:
+    ) -> Hold | None:
         """The hold a request (its prompt's ``key``) waits under, if any. ``resident_blocks``:
         leading blocks of its key the engine holds; ``capacity``: the engine's (both asked
         only when there is something to wait for)."""
@@ -216,10 +213,11 @@ class ReplicaHolds:
             own = own_hold(self.inflight, key, resident, self.settings.min_blocks, capacity())
         return combined_hold(router_hold, own, resident)
 
-    async def wait(self, hold: HoldInstruction, key: PrefixKey, from_router: bool) -> float:
+    async def wait(self, hold: Hold, key: PrefixKey, from_router: bool) -> float:
         """Wait out ``hold``; the seconds it took. Only a router's hold may arrive before the
         request it waits for: it alone gets the arrival grace."""
-        started = time.monotonic()
+        loop = asyncio.get_running_loop()  # the clock the hold's bounds run on
+        started = loop.time()
         grace_s = self.settings.arrival_grace_s if from_router else 0.0
         await self.inflight.wait(key, hold.num_blocks, hold.max_wait_s, grace_s)
-        return time.monotonic() - started
+        return loop.time() - started

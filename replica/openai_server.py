@@ -22,6 +22,7 @@ GETs (models, health, metrics) reach any replica: HAProxy balances them by conne
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -260,16 +261,14 @@ class ReplicaHTTPServer(ReplicaServer):
         mine = ticket.replica_id == self.replica_id
         if not mine:
             self._metrics.redispatched.inc()
+            # A hold (and the blocks it matched) was meant for the replica the router chose.
+            ticket = dataclasses.replace(ticket, hold=None, matched_blocks=0)
         return GenerateRequest(
             ticket.request_id,
             ids,
             key,
             sampling,
-            # A hold was meant for the replica the router chose, not for this one.
-            hold=ticket.hold if mine else None,
-            routed_by=ticket.reason,
-            routed_to=ticket.replica_id,
-            matched_blocks=ticket.matched_blocks if mine else 0,
+            ticket=ticket,
             trace_context=trace_context,
             tenant=tenant,
             priority=priority,

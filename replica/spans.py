@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, set_span_in_context
 
 from prefixmesh import tracing
-from prefixmesh.wire import GenerateRequest, HoldInstruction
+from prefixmesh.wire import GenerateRequest, Hold
 
 LINKED = "prefixmesh-linked"
 """Key in ``trace_context`` holding the ``traceparent`` of a routing decision made in another
@@ -33,7 +33,7 @@ class NoTrace:
 
     __slots__ = ()
 
-    def queued(self, hold: HoldInstruction | None, held_s: float) -> None:
+    def queued(self, hold: Hold | None, held_s: float) -> None:
         pass
 
     def first_token(self, cached_tokens: int) -> None:
@@ -60,7 +60,7 @@ class ReplicaTrace(NoTrace):
     def _child(self, name: str) -> Span:
         return tracing.tracer().start_span(name, context=set_span_in_context(self._root))
 
-    def queued(self, hold: HoldInstruction | None, held_s: float) -> None:
+    def queued(self, hold: Hold | None, held_s: float) -> None:
         """The request leaves the queue for the engine, after waiting ``held_s`` in ``hold``."""
         if hold is not None:
             attributes = {
@@ -141,8 +141,9 @@ def replica_trace(request: GenerateRequest, replica_id: str) -> NoTrace:
             "prefixmesh.priority": request.priority,
         }
     )
-    if request.routed_to and request.routed_to != replica_id:
+    routed_to = request.ticket.replica_id if request.ticket is not None else ""
+    if routed_to and routed_to != replica_id:
         # The decision chose another replica (HAProxy redispatched it, or Serve took a lower
         # rank of the decision's).
-        root.set_attribute("prefixmesh.routed_to", request.routed_to)
+        root.set_attribute("prefixmesh.routed_to", routed_to)
     return ReplicaTrace(root)

@@ -194,7 +194,7 @@ class ReplicaService:
             "fingerprint": self.fingerprint,
             "block_size": self.config.cache.block_size,
             "kv_blocks": engine.kv_blocks,
-            "capacity": engine.capacity(),
+            "capacity": capacity.to_wire() if (capacity := engine.capacity()) else {},
         }
 
     def server_info(self) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from prefixmesh.router.policy.base import (
 )
 from prefixmesh.router.replica_load import load_rule, pooled_capacities, snapshot_of
 from prefixmesh.router.spans import note_hit, note_lookup
-from prefixmesh.wire import GenerateRequest, HoldInstruction, ReplicaReport
+from prefixmesh.wire import GenerateRequest, Hold, ReplicaReport, RouteTicket
 
 logger = logging.getLogger(__name__)
 
@@ -57,19 +57,39 @@ CONNECT_WAIT_S = 0.05
 
 @dataclass(frozen=True, slots=True)
 class Routed:
-    """A routing decision as whoever asked for it uses it: the replica, what it holds of the
-    prompt, the hold it waits under and the prefix claimed for it. Returned, never written
-    into the request (the proxy path's Serve adapter copies it onto the handle call)."""
+    """A routing decision as the router uses it: the policy's ranking and hold (after claims),
+    what the chosen replica holds of the prompt and the prefix claimed for it. Returned, never
+    written into the request; what reaches the replica is its ``ticket``."""
 
     decision: RouteDecision
     matched_blocks: int
     """Leading prompt blocks the chosen replica holds (registry)."""
-    hold: HoldInstruction | None = None
     claim: BlockHash | None = None
+    """The prefix claimed for the chosen replica: it stays with the router (its ledger
+    releases it at the first token or the end)."""
 
     @property
     def chosen(self) -> ReplicaId:
         return self.decision.chosen
+
+    @property
+    def hold(self) -> Hold | None:
+        hold: Hold | None = self.decision.hold
+        return hold
+
+    def ticket(
+        self, request: GenerateRequest, trace_context: Mapping[str, str] | None = None
+    ) -> RouteTicket:
+        """The decision as it travels to the replica (``trace_context``: the decision's span,
+        else the request's)."""
+        return RouteTicket(
+            request_id=request.request_id,
+            replica_id=self.chosen,
+            reason=self.reason,
+            matched_blocks=self.matched_blocks,
+            hold=self.hold,
+            trace_context=trace_context if trace_context is not None else request.trace_context,
+        )
 
     @property
     def ranked(self) -> tuple[tuple[ReplicaId, ...], ...]:
@@ -97,13 +117,15 @@ class RoutingCore:
         rng: random.Random | None = None,
         registry: CacheRegistry | None = None,
         spawn: Spawn | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``policy``: made from the config (with ``rng``) when not given. ``registry``: a
         client to use as it is (tests); else one is made from the config on first use.
         ``spawn``: runs background work, from any thread (default: a task on the running
-        loop)."""
+        loop). ``clock``: the policy's and the ledger's time, in seconds."""
         self.config = config
         self.local = local
+        self._clock = clock
         self.policy: RoutingPolicy = policy or make_policy(
             config.routing.policy,
             config.routing,
@@ -158,7 +180,7 @@ class RoutingCore:
         group = self.policy.prefix_group(route)
         view, outcome = await self._view(key, ids, group)
         snapshots = self.snapshots(candidates)
-        decision = self.policy.route(route, snapshots, view, time.monotonic())
+        decision = self.policy.route(route, snapshots, view, self._clock())
         claim, wait_s = None, 0.0
         with self.local.lock:
             first_time = self.local.ledger.replica_of(request.request_id) is None
@@ -178,9 +200,7 @@ class RoutingCore:
                 decision, claim, wait_s = claimed.decision, claimed.claim, claimed.wait_s
         hit = await self._apply(request, route, decision, view.hits, group, claim, wait_s)
         note_hit(hit)
-        routed = Routed(
-            decision, hit.num_blocks if hit else 0, holds.instruction(decision.hold), claim
-        )
+        routed = Routed(decision, hit.num_blocks if hit else 0, claim)
         self.metrics.decided(
             self.policy.name,
             decision.reason,
@@ -197,7 +217,7 @@ class RoutingCore:
                 reports = [(c.replica_id, c.report) for c in candidates]
                 self.local.apply_reports(
                     reports,
-                    time.monotonic(),
+                    self._clock(),
                     self._unseen_expiry_s,
                     progress_pushed=self._progress_pushed,
                 )
@@ -243,7 +263,7 @@ class RoutingCore:
         registry = self.start_registry()
         await self._connected()
         failures = registry.stats.lookup_failures
-        available = bool(getattr(registry, "available", True))
+        available = registry.available
         # The group's rate runs alongside the lookup (which keeps its own deadline).
         rate_call = asyncio.ensure_future(registry.rate(group)) if group is not None else None
         # The cluster's shared tier is one more holder (credited to every replica).
@@ -288,7 +308,7 @@ class RoutingCore:
         uncached = route.prompt_tokens - covered * route.key.block_size
         with self.local.lock:
             first_time = self.local.ledger.routed(
-                request.request_id, chosen, max(uncached, 0), claim, time.monotonic()
+                request.request_id, chosen, max(uncached, 0), claim, self._clock()
             )
             counted = len(self.local.ledger)
         # Here, not when the router's own text is read: Ray's agent (the cluster view) takes
@@ -296,7 +316,7 @@ class RoutingCore:
         self.metrics.ongoing.set(counted)
         if not first_time:
             return hit
-        self.policy.on_routed(route, chosen, time.monotonic())
+        self.policy.on_routed(route, chosen, self._clock())
         registry = self.start_registry()
         ttl_s = decision.speculative_ttl_s(self.config.registry.speculative_ttl_s)
         speculative = asyncio.ensure_future(registry.add_speculative(route.key, chosen, ttl_s))

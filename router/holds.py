@@ -14,8 +14,8 @@ Claims are released on one path, by the router that took them, through its ledge
 (``release``): at the request's first token or end (the proxy path's callbacks), when a
 replica's report lists the request as arrived (the direct path: the speculative entry, written
 before the request left, covers siblings from then on), when the request moves or expires. The
-TTL ends a claim whose router died. What reaches the replica is a ``HoldInstruction``
-(``instruction``).
+TTL ends a claim whose router died. What reaches the replica is the decision's ``Hold`` itself,
+in its ``RouteTicket``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from prefixmesh.router.policy.base import (
     RouteDecision,
     RouteRequest,
 )
-from prefixmesh.wire import HoldInstruction
 
 CLAIM_REASON = "hold_claim"
 """The reason of a decision turned into a hold by another router's claim."""
@@ -137,11 +136,6 @@ def held_on(decision: RouteDecision, holder: ReplicaId, hold: Hold) -> RouteDeci
         kept for tier in decision.ranked if (kept := tuple(r for r in tier if r != holder))
     )
     return RouteDecision(((holder,), *rest), hold, CLAIM_REASON)
-
-
-def instruction(hold: Hold | None) -> HoldInstruction | None:
-    """The hold as the replica receives it."""
-    return None if hold is None else HoldInstruction(hold.num_blocks, hold.max_wait_s)
 
 
 @dataclass(frozen=True, slots=True)

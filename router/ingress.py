@@ -56,7 +56,7 @@ from prefixmesh.router.local_state import local_state
 from prefixmesh.router.registry_watch import RegistryWatch
 from prefixmesh.router.retry import AttemptFailed, retry_request, run_with_retry
 from prefixmesh.router.spans import NoRequestTrace, request_trace
-from prefixmesh.wire import GenerateRequest
+from prefixmesh.wire import GenerateRequest, RouteTicket
 
 logger = logging.getLogger(__name__)
 api = install_error_handlers(
@@ -243,7 +243,7 @@ class IngressServer:
             REPLICA_HEADER: generation.replica_id,
             RETRIES_HEADER: str(done.retries),
             MATCHED_BLOCKS_HEADER: str(
-                generation.request.matched_blocks if generation.request else 0
+                generation.ticket.matched_blocks if generation.ticket else 0
             ),
         }
         chat = prepared.chat
@@ -275,6 +275,11 @@ class IngressServer:
             with lock:
                 ledger.finished(request.request_id)
 
+        def routed() -> RouteTicket | None:  # the request router's decision, taken once
+            with lock:
+                ticket: RouteTicket | None = self._local.take_ticket(request.request_id)
+            return ticket
+
         stream = self._replicas.options(stream=True).generate.remote(request)
         return Generation(
             stream,
@@ -285,6 +290,7 @@ class IngressServer:
             end,
             request=request,
             started_s=started_s,
+            routed=routed,
         )
 
     async def _stream(

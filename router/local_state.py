@@ -3,9 +3,11 @@
 Serve builds the request router itself (from a pickled class) inside the ingress replica's
 process, and runs it on its own event loop thread; the ingress cannot hand it objects. The two
 meet here, by application name: the in-process registry (single-ingress mode), the load ledger,
-the router's metrics and the router itself (whose replicas carry their latest reports, as
-Serve's dicts). This module is imported by reference in both, so it is the process-wide
-rendezvous; every access goes through the lock (the metrics excepted: they lock themselves).
+the router's metrics, the router itself (whose replicas carry their latest reports, as Serve's
+dicts) and each routed request's ``RouteTicket`` until its caller takes it (the request
+router's one channel back to the ingress and to the direct path's router). This module is
+imported by reference in both, so it is the process-wide rendezvous; every access goes through
+the lock (the metrics excepted: they lock themselves).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from prefixmesh.cache_registry.memory import RegistryState
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.router.ledger import LoadLedger
 from prefixmesh.router.metrics import RouterMetrics
-from prefixmesh.wire import ReplicaReport
+from prefixmesh.wire import ReplicaReport, RouteTicket
 from prefixmesh.wire.request_progress import RequestProgress
 
 
@@ -37,6 +39,31 @@ class LocalRouterState:
     once, and a new one can never be mistaken for it by identity)."""
     _applied: dict[str, ReplicaReport] = field(default_factory=dict)
     """Per replica, the report last applied to the ledger."""
+    _tickets: dict[str, tuple[RouteTicket, float]] = field(default_factory=dict)
+    """Per request id, its latest decision and when it was recorded (oldest first)."""
+
+    def record_ticket(self, ticket: RouteTicket, now_s: float, keep_s: float) -> None:
+        """The request router decided ``ticket`` (it replaces an earlier decision for the same
+        request). Tickets older than ``keep_s`` that nobody took (their caller gave up before
+        the decision came) are dropped here (caller holds the lock)."""
+        self._tickets.pop(ticket.request_id, None)  # re-inserted last: oldest stay first
+        self._tickets[ticket.request_id] = (ticket, now_s)
+        while self._tickets:
+            request_id, (_, recorded_s) = next(iter(self._tickets.items()))
+            if now_s - recorded_s <= keep_s:
+                break
+            del self._tickets[request_id]
+
+    def take_ticket(self, request_id: str) -> RouteTicket | None:
+        """The decision for ``request_id``, removed (None: not routed by a decision, e.g. a
+        fallback pick; caller holds the lock)."""
+        taken = self._tickets.pop(request_id, None)
+        return taken[0] if taken is not None else None
+
+    @property
+    def pending_tickets(self) -> int:
+        """Tickets recorded and not taken yet (caller holds the lock)."""
+        return len(self._tickets)
 
     def report(self, replica: str, stats: Mapping[str, Any] | None) -> ReplicaReport:
         """Serve's ``routing_stats`` of ``replica`` as a ``ReplicaReport``, converted once per

@@ -57,17 +57,13 @@ def retry_request(
     avoid: tuple[str, ...],
     trace_context: dict[str, str] | None,
 ) -> GenerateRequest:
-    """The request to send again: a new id, the replicas to avoid, and nothing the request
-    router wrote into the failed attempt (it writes its decision into the request: a hold
-    there would bind the retry to the failed replica's prefill)."""
+    """The request to send again: a new id, the replicas to avoid, and no decision of the
+    failed attempt's (a hold there would bind the retry to the failed replica's prefill)."""
     return dataclasses.replace(
         original,
         request_id=f"{original.request_id}-retry{attempt}",
         avoid_replicas=avoid,
-        hold=None,
-        routed_by="",
-        routed_to="",
-        matched_blocks=0,
+        ticket=None,
         trace_context=trace_context,
     )
 

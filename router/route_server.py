@@ -5,8 +5,10 @@ to the replica named in the answer, setting the answer's ``request_headers`` on 
 headers (``wire/route_ticket.py``). Here the front door (``api/prepare.py``) validates,
 templates, tokenizes and hashes the body, and the replica handle's request router (ours,
 ``serve_router.py``: registry lookup, policy, claims, speculative entries) picks the replica
-without dispatching anything
-(``choose_replica(..., _reserve=False)``). The replica serves and streams the response itself.
+without dispatching anything (``serve_private.pick_replica``) and leaves its ``RouteTicket`` in
+the state this process shares with it (``LocalRouterState.take_ticket``); the ticket, with the
+replica Serve picked, becomes the trusted headers. The replica serves and streams the response
+itself.
 A claim the decision took stays here: this router's ledger releases it when a replica's report
 lists the request (``router/holds.py``).
 
@@ -29,6 +31,7 @@ replica refuses it as cheaply with the OpenAI error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -52,6 +55,7 @@ from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.router.local_state import local_state
 from prefixmesh.router.registry_watch import RegistryWatch
 from prefixmesh.router.spans import NO_ROUTER_TRACE, NoRouterTrace, router_trace
+from prefixmesh.serve_private import init_handle, pick_replica
 from prefixmesh.wire import GenerateRequest, LoadBalanced
 from prefixmesh.wire.request_progress import RequestProgress
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
@@ -75,7 +79,7 @@ class RouterServer:
         config = self.config
         tracing.setup(config.telemetry, "router")  # the request router shares this process
         self._replicas = replicas
-        self._replicas._init()  # build the handle's request router now, not at the first POST
+        init_handle(replicas)  # build the handle's request router now, not at the first POST
         encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path))
         limits = RequestLimits.from_config(config, encoder.hf)
         self._front = FrontDoor(config.model, limits, encoder, make_hasher(config))
@@ -140,10 +144,8 @@ class RouterServer:
         """The replica for ``generate`` (None: a load-balanced pick). ``abandoned``: a request
         whose decision was cut short by ``why`` (the deadline, an error) and is balanced now."""
         target: Any = generate if generate is not None else LoadBalanced()
-        async with self._replicas.choose_replica(target, _reserve=False) as selection:
-            replica = selection._replica
-            full_id = replica.replica_id.to_full_id_str()
-            unique_id = replica.replica_id.unique_id
+        picked = await pick_replica(self._replicas, target)
+        full_id, unique_id = picked.full_id, picked.unique_id
         trace.chose(unique_id, generate)
         if generate is None:
             self.fallbacks += 1
@@ -154,6 +156,7 @@ class RouterServer:
             # the entry (with any claim) leaves the replica that will not compute it.
             with self._local.lock:
                 self._local.ledger.moved(abandoned.request_id, ReplicaId(unique_id))
+                late = self._local.take_ticket(abandoned.request_id)  # decided, then cut short
             ticket = RouteTicket(
                 request_id=abandoned.request_id,
                 replica_id=unique_id,
@@ -161,19 +164,23 @@ class RouterServer:
                 matched_blocks=0,
                 key_digest=key_digest(abandoned.key),
                 arrived_ns=arrived_ns,
-                trace_context=abandoned.trace_context,
+                trace_context=late.trace_context if late else abandoned.trace_context,
             )
             return JSONResponse({"replica_id": full_id, "request_headers": ticket.headers()})
         self.routed += 1
-        ticket = RouteTicket(
-            request_id=generate.request_id,
+        with self._local.lock:
+            decided = self._local.take_ticket(generate.request_id)
+        if decided is None:  # the request router fell back without a decision
+            decided = RouteTicket(
+                generate.request_id, unique_id, "", trace_context=generate.trace_context
+            )
+        ticket = dataclasses.replace(
+            decided,
             replica_id=unique_id,
-            reason=generate.routed_by,
-            matched_blocks=generate.matched_blocks,
             key_digest=key_digest(generate.key),
             arrived_ns=arrived_ns,
-            hold=generate.hold if generate.routed_to == unique_id else None,
-            trace_context=generate.trace_context,
+            # A hold binds to the replica it was decided for (Serve may take a lower rank).
+            hold=decided.hold if decided.replica_id == unique_id else None,
         )
         return JSONResponse({"replica_id": full_id, "request_headers": ticket.headers()})
 

@@ -8,30 +8,50 @@ maps the ranking back to Serve's replicas. Any error falls back to power of two:
 inside a request router would hang the request (DESIGN.md §7), so nothing escapes. A retried
 request names the replicas that failed it (``avoid_replicas``); they are left out while any
 other candidate remains. Every decision lands in ``RouterMetrics``.
+
+The decision leaves as one ``RouteTicket``, on two channels and never written into the
+caller's request: the replica gets a copy of the request carrying it (``send_instead``: Serve
+sends the pending request's arguments after routing), and the ingress or the direct path's
+router takes it from the state they share (``LocalRouterState.take_ticket``). A claim stays
+with the router: its ledger releases it at the first token or the end. Serve's private API is
+reached only through ``prefixmesh/serve_private.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
+import time
+from collections.abc import Callable
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RunningReplica
 
 from prefixmesh.cache_registry.factory import make_memory_state
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.router.decide import Candidate, Routed, RoutingCore
+from prefixmesh.router.decide import Candidate, RoutingCore
 from prefixmesh.router.local_state import LocalRouterState, local_state
 from prefixmesh.router.spans import route_span
+from prefixmesh.serve_private import ServeRequestRouter, pending_arguments, send_instead
 from prefixmesh.wire import GenerateRequest, LoadBalanced
 
 logger = logging.getLogger(__name__)
 
 
-class PrefixmeshRequestRouter(RequestRouter):
-    def initialize_state(self, config_json: str = "{}", **_: Any) -> None:
+class PrefixmeshRequestRouter(ServeRequestRouter):
+    def initialize_state(
+        self,
+        config_json: str = "{}",
+        *,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **_: Any,
+    ) -> None:
+        """Serve calls it with ``config_json``; tests may pass ``rng`` and ``clock`` (the
+        decisions' time, and when tickets nobody took expire)."""
         self._config = PrefixmeshConfig.model_validate_json(config_json)
         config = self._config
         self._local: LocalRouterState = local_state(
@@ -39,10 +59,13 @@ class PrefixmeshRequestRouter(RequestRouter):
         )
         with self._local.lock:
             self._local.stats_source = self
-        self._core = RoutingCore(config, self._local, spawn=self._spawn)
+        self._core = RoutingCore(config, self._local, spawn=self._spawn, clock=clock)
         self._metrics = self._local.metrics
         self._background: set[asyncio.Task[Any]] = set()
-        self._rng = random.Random()
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._ticket_keep_s = config.ingress.request_timeout_s
+        """How long a ticket nobody took stays in the shared state (a caller that gave up)."""
         try:
             asyncio.get_running_loop()  # Serve builds routers on their loop: connect now
         except RuntimeError:
@@ -70,26 +93,11 @@ class PrefixmeshRequestRouter(RequestRouter):
             kept = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
             candidate_replicas = kept or candidate_replicas
         try:
-            return await self._choose(candidate_replicas, request)
+            return await self._choose(candidate_replicas, request, pending_request)
         except Exception:
             logger.exception("routing failed; falling back to power of two")
             self._metrics.fell_back("error")
             return self._power_of_two(candidate_replicas)
-
-    def _get_pending_request_matching_metadata(self, request_metadata: Any = None) -> Any:
-        # NOTE: Serve's base class hands the replica chosen for a request to the OLDEST pending
-        # request unless a mixin matches metadata (only MultiplexMixin does). Our decisions are
-        # per request (its prefix, its hold), so the replica must go to the request it was
-        # chosen for. Serve's internal request id does not tell requests apart (calls made
-        # while serving one HTTP request share it), so match the metadata object itself.
-        # Without this, concurrent requests swap replicas and a request pinned to one replica
-        # (an admin call) can spin forever.
-        if request_metadata is None:
-            return None
-        for pending in self._pending_requests_to_fulfill:
-            if pending.metadata is request_metadata and not pending.future.done():
-                return pending
-        return None
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
@@ -99,7 +107,7 @@ class PrefixmeshRequestRouter(RequestRouter):
         # Serve calls this whenever its replica set changes: scale-down, a redeploy, a replica
         # replaced after failing health checks. A replica that left takes its registry entries
         # with it, or routers would keep sending its prefixes to replicas that never see them.
-        known: set[Any] = getattr(self, "_replica_id_set", set())
+        known = self.known_replica_ids()
         current = {replica.replica_id for replica in replicas}
         super().update_replicas(replicas)
         for gone in known - current:
@@ -112,7 +120,10 @@ class PrefixmeshRequestRouter(RequestRouter):
     # ---- the decision ----------------------------------------------------------------------
 
     async def _choose(
-        self, candidates: list[RunningReplica], request: GenerateRequest | None
+        self,
+        candidates: list[RunningReplica],
+        request: GenerateRequest | None,
+        pending: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         if request is None:
             return [candidates]  # other calls: Serve picks the least loaded
@@ -124,8 +135,16 @@ class PrefixmeshRequestRouter(RequestRouter):
             ]
         with route_span(request) as span:  # a no-op when tracing is off
             routed = await self._core.decide(request, reports)
-            _carry(request, routed)
-            span.decided(self._core.policy.name, routed.decision, request)
+            span.decided(self._core.policy.name, routed.decision, routed.matched_blocks)
+        ticket = routed.ticket(request, span.carrier)
+        with local.lock:
+            # A decision made again for the same request (Serve re-routes it) replaces it.
+            local.record_ticket(ticket, self._clock(), self._ticket_keep_s)
+        if pending is not None:
+            # The replica gets the decision on its own copy of the request; its spans are the
+            # decision's children.
+            sent = dataclasses.replace(request, ticket=ticket, trace_context=ticket.trace_context)
+            send_instead(pending, request, sent)
         ranked = [[by_id[r] for r in tier if r in by_id] for tier in routed.ranked]
         return [tier for tier in ranked if tier] or [candidates]
 
@@ -134,7 +153,7 @@ class PrefixmeshRequestRouter(RequestRouter):
     def _spawn(self, coroutine: Any) -> None:
         """Run ``coroutine`` on the router's loop, from it or from another thread (Serve's
         membership callbacks are not always on it)."""
-        loop = self._event_loop
+        loop = self.router_loop()
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -164,21 +183,10 @@ class PrefixmeshRequestRouter(RequestRouter):
         return [self._rng.sample(candidates, 2)]
 
 
-def _carry(request: GenerateRequest, routed: Routed) -> None:
-    """The proxy path's one hand-off: the decision rides on the handle call's argument, the
-    only thing that reaches the replica (a decision made again for the same request, when
-    Serve retries routing, replaces it). A claim stays with the router: its ledger releases
-    it at the first token or the end."""
-    request.hold = routed.hold
-    request.routed_by = routed.reason
-    request.routed_to = routed.chosen
-    request.matched_blocks = routed.matched_blocks
-
-
 def _generate_request(pending: PendingRequest | None) -> GenerateRequest | None:
     if pending is None:
         return None
-    for value in (*pending.args, *pending.kwargs.values()):
+    for value in pending_arguments(pending):
         if isinstance(value, GenerateRequest):
             return value
     return None

@@ -5,11 +5,12 @@ routing decision. On the direct path, in the router process: ``prefixmesh.router
 under it.
 
 The trace context rides in ``GenerateRequest.trace_context``: the ingress (or the router) puts
-its request span's there, each routing decision replaces it with its own (the replica's spans
-become the decision's children) and keeps the request span's under ``ORIGIN``, so that a
-decision made again for the same request (Serve re-routes when a replica refuses it) is a
-sibling of the first, not its child. On the direct path the decision's context reaches the
-replica in the ticket (``wire/route_ticket.py``).
+its request span's there; each routing decision's context (``RouteTrace.carrier``) goes in its
+ticket and on the replica's copy of the request (the replica's spans become the decision's
+children), with the request span's under ``ORIGIN``, so that a decision made again for the
+same request (Serve re-routes when a replica refuses it) is a sibling of the first, not its
+child. On the direct path the decision's context reaches the replica in the ticket's headers
+(``wire/route_ticket.py``).
 
 HAProxy sends the router only the client's body and a few named headers, not ``traceparent``;
 one of them is Serve's session header, whose name ``local_ray.haproxy_environment`` sets to
@@ -73,16 +74,16 @@ class RequestTrace(NoRequestTrace):
         self._span.add_event("retry", {"phase": phase, "error": type(exc).__name__})
 
     def answered(self, generation: Any, retries: int) -> None:
-        """The first token is in (``generation``: ``router.generation.Generation``)."""
+        """The first token is in (``generation``: ``wire.generation.Generation``)."""
         if not self._span.is_recording():
             return
-        request = generation.request
+        ticket = generation.ticket
         self._span.set_attributes(
             {
                 "prefixmesh.retries": retries,
                 "prefixmesh.replica": generation.replica_id,
-                "prefixmesh.matched_blocks": request.matched_blocks if request else 0,
-                "prefixmesh.routed_by": request.routed_by if request else "",
+                "prefixmesh.matched_blocks": ticket.matched_blocks if ticket else 0,
+                "prefixmesh.routed_by": ticket.reason if ticket else "",
                 "prefixmesh.cached_tokens": generation.usage.cached_tokens,
                 "prefixmesh.hold_s": generation.held_s,
                 "prefixmesh.ttft_s": generation.first_token_s or 0.0,
@@ -208,9 +209,12 @@ def router_trace(headers: Mapping[str, str], start_ns: int, truncated: bool) -> 
 
 
 class NoRouteTrace:
-    __slots__ = ()
+    """Tracing off: ``decided`` does nothing and ``carrier`` is None."""
 
-    def decided(self, policy: str, decision: RouteDecision, request: GenerateRequest) -> None:
+    __slots__ = ()
+    carrier: dict[str, str] | None = None
+
+    def decided(self, policy: str, decision: RouteDecision, matched_blocks: int) -> None:
         pass
 
 
@@ -218,20 +222,22 @@ NO_ROUTE_TRACE = NoRouteTrace()
 
 
 class RouteTrace(NoRouteTrace):
-    __slots__ = ("_span",)
+    __slots__ = ("_span", "carrier")
 
     def __init__(self, span: Span) -> None:
         self._span = span
+        self.carrier: dict[str, str] | None = None
+        """The decision's context for the replica, once the span ended without an error."""
 
-    def decided(self, policy: str, decision: RouteDecision, request: GenerateRequest) -> None:
-        """Record the decision (after ``RoutingCore.decide`` wrote it into ``request``)."""
+    def decided(self, policy: str, decision: RouteDecision, matched_blocks: int) -> None:
+        """Record the decision (``matched_blocks``: what the chosen replica holds)."""
         if not self._span.is_recording():
             return
         attributes: dict[str, Any] = {
             "prefixmesh.policy": policy,
             "prefixmesh.reason": decision.reason,
             "prefixmesh.replica": decision.chosen,
-            "prefixmesh.matched_blocks": request.matched_blocks,
+            "prefixmesh.matched_blocks": matched_blocks,
             "prefixmesh.hold": decision.hold is not None,
         }
         if decision.hold is not None:
@@ -242,8 +248,9 @@ class RouteTrace(NoRouteTrace):
 
 def route_span(request: GenerateRequest | None) -> AbstractContextManager[NoRouteTrace]:
     """Around one routing decision for ``request``: the ``prefixmesh.route`` span, current
-    while it runs (``note_lookup`` and ``note_hit`` find it), its context handed on to the
-    replica on success. An exception is recorded with ``prefixmesh.fallback_reason=error``."""
+    while it runs (``note_lookup`` and ``note_hit`` find it), its context for the replica in
+    the trace's ``carrier`` on success. An exception is recorded with
+    ``prefixmesh.fallback_reason=error``."""
     if request is None or request.trace_context is None or not tracing.enabled():
         return nullcontext(NO_ROUTE_TRACE)
     return _route_span(request, request.trace_context)
@@ -262,15 +269,16 @@ def _route_span(request: GenerateRequest, carrier: dict[str, str]) -> Iterator[N
         if request.avoid_replicas:  # an ingress retry
             span.set_attribute("prefixmesh.avoid_replicas", list(request.avoid_replicas))
     started = time.perf_counter()
+    route = RouteTrace(span)
     with trace.use_span(span, end_on_exit=True):
         try:
-            yield RouteTrace(span)
+            yield route
         except Exception:  # the router falls back to power of two (not on a cancellation)
             span.set_attribute("prefixmesh.fallback_reason", "error")
             raise
         finally:
             span.set_attribute("prefixmesh.decision_ms", (time.perf_counter() - started) * 1e3)
-        request.trace_context = {**tracing.inject(span), ORIGIN: origin}
+        route.carrier = {**tracing.inject(span), ORIGIN: origin}
 
 
 def note_lookup(backend: str, outcome: str, elapsed_s: float) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixmesh.api.detokenize import Decode, IncrementalDetokenizer
-from prefixmesh.wire import GenerateChunk, GenerateRequest
+from prefixmesh.wire import GenerateChunk, GenerateRequest, RouteTicket
 
 
 @dataclass
@@ -48,10 +48,17 @@ class Generation:
         on_end: Callable[[], None],
         request: GenerateRequest | None = None,
         started_s: float | None = None,
+        routed: Callable[[], RouteTicket | None] | None = None,
     ) -> None:
+        """``routed``: how to learn the routing decision of a request sent without one (the
+        proxy path's ingress takes it from the state it shares with the request router),
+        called once, when the first output or the failure before it arrives."""
         self._stream = stream
         self.request = request
-        """What was sent; the request router wrote its decision into it."""
+        """What was sent."""
+        self.ticket: RouteTicket | None = request.ticket if request is not None else None
+        """The routing decision: the request's own, or what ``routed`` returned."""
+        self._routed = routed
         self._detokenizer = IncrementalDetokenizer(decode)
         self._stop = stop_strings
         self._on_first_token = on_first_token
@@ -72,9 +79,16 @@ class Generation:
         except StopAsyncIteration:
             self._pending = None
         except BaseException:
+            self._learn_ticket()  # the replica the router chose is the one to avoid
             self.close()
             raise
+        self._learn_ticket()
         self._note_first(self._pending)
+
+    def _learn_ticket(self) -> None:
+        if self._routed is not None:
+            self.ticket = self._routed() or self.ticket
+            self._routed = None
 
     def _note_first(self, chunk: GenerateChunk | None) -> None:
         self.first_token_s = time.monotonic() - self._started
@@ -89,7 +103,7 @@ class Generation:
         """The replica serving this: the one that answered, else the one the router chose."""
         if self.replica_id:
             return self.replica_id
-        return self.request.routed_to if self.request is not None else ""
+        return self.ticket.replica_id if self.ticket is not None else ""
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
         try:

@@ -126,8 +126,8 @@ class RequestMetrics:
             self.ttft.observe(generation.first_token_s)
         self.prompt_tokens.inc(generation.usage.prompt_tokens)
         self.cached_tokens.inc(generation.usage.cached_tokens)
-        request = generation.request
-        if generation.held_s > 0 or (request is not None and request.hold is not None):
+        ticket = generation.ticket
+        if generation.held_s > 0 or (ticket is not None and ticket.hold is not None):
             self.hold_seconds.observe(generation.held_s)
 
     def finished(self, generation: Generation) -> None:

@@ -5,11 +5,10 @@ replica's load (``ReplicaReport``, ``replica_report``), its requests' progress
 (``request_progress``) and the direct path's decision as trusted headers (``route_ticket``).
 The OpenAI API the servers speak is ``prefixmesh/api/``, which builds on this package.
 
-Both packages import this package and never each other. On the proxy path the request router
-reads a ``GenerateRequest`` as the first argument of a replica call and sets its ``hold`` and what
-it decided (``routed_to``, ``matched_blocks``); the ingress reads those back (same object, same
-process) for retries and response headers. On the direct path the decision travels to the
-replica as trusted headers (``route_ticket``). A request carries its prompt's ``PrefixKey`` as the
+Both packages import this package and never each other. The routing decision travels as one
+``RouteTicket`` (``route_ticket``): on the proxy path in ``GenerateRequest.ticket`` of the
+replica call's argument (the request router's Serve adapter swaps in the request carrying it),
+on the direct path as trusted headers. A request carries its prompt's ``PrefixKey`` as the
 hasher made it; a claim the router took never travels (its ledger releases it).
 """
 
@@ -21,6 +20,8 @@ from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.wire.replica_report import ReplicaCapacity as ReplicaCapacity
 from prefixmesh.wire.replica_report import ReplicaCounters as ReplicaCounters
 from prefixmesh.wire.replica_report import ReplicaReport as ReplicaReport
+from prefixmesh.wire.route_ticket import Hold as Hold
+from prefixmesh.wire.route_ticket import RouteTicket as RouteTicket
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,15 +35,6 @@ class SamplingSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class HoldInstruction:
-    """Wait, at most ``max_wait_s``, while another request on the replica is computing the
-    first ``num_blocks`` blocks of this one (delay-hit deferral)."""
-
-    num_blocks: int
-    max_wait_s: float
-
-
-@dataclass(slots=True)
 class GenerateRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -50,27 +42,28 @@ class GenerateRequest:
     """The chained hashes of the prompt's full blocks, as the hasher made them (what the
     replica publishes, too)."""
     sampling: SamplingSettings
-    hold: HoldInstruction | None = None
-    """Set by the request router when it routes the request."""
-    routed_by: str = ""
-    """The routing decision's reason, for metrics."""
+    ticket: RouteTicket | None = None
+    """The routing decision (its replica, reason, matched blocks and hold): None until the
+    request router decided. On the proxy path the request router's Serve adapter sends the
+    replica a copy of the request carrying it; the caller's own request never changes."""
     avoid_replicas: tuple[str, ...] = ()
     """Replicas a retry must not go back to (they failed this request); the request router
     ignores it when it would leave no candidate."""
-    routed_to: str = ""
-    """Set by the request router: the replica it chose, so the ingress knows which one to
-    avoid when the call fails before any output names the replica."""
-    matched_blocks: int = 0
-    """Set by the request router: leading prompt blocks the chosen replica holds (registry)."""
     trace_context: dict[str, str] | None = None
     """W3C trace context (``traceparent``, ``tracestate``) of the span the next hop's spans are
-    children of: the ingress sets its request span's, the request router replaces it with its
-    routing decision's, the replica parents its spans on it. It travels inside the pickled
-    handle call (Serve carries no context of its own). None when tracing is off."""
+    children of: the ingress sets its request span's, the request router's copy for the
+    replica carries its routing decision's instead, the replica parents its spans on it. It
+    travels inside the pickled handle call (Serve carries no context of its own). None when
+    tracing is off."""
     tenant: str = "anonymous"
     """The tenant the request's API key names (fair share and quotas count by it)."""
     priority: int = 0
     """Lower starts first when the replica is saturated (vLLM's ``priority``)."""
+
+    @property
+    def hold(self) -> Hold | None:
+        """The hold the routing decision asks for (None: none, or not routed)."""
+        return self.ticket.hold if self.ticket is not None else None
 
     @property
     def prompt(self) -> str:

@@ -1,6 +1,9 @@
-"""The direct path's routing decision as it travels: trusted headers from router to replica.
+"""The routing decision as it travels from router to replica: one ``RouteTicket``, on both paths.
 
-On the direct path HAProxy asks our router (``/internal/route``) where a request goes, then
+The request router (``router/serve_router.py``) makes it from its decision; on the proxy path it
+rides in ``GenerateRequest.ticket`` (the handle call's argument), and the ingress gets it back
+through the state it shares with the request router (``LocalRouterState.take_ticket``). On the
+direct path HAProxy asks our router (``/internal/route``) where a request goes, then
 sets the headers of the router's answer on the request it forwards to that replica. Headers
 under ``TRUSTED_PREFIX`` are Ray's router-owned namespace: HAProxy deletes client-sent ones
 before the router is asked, so what the replica reads there came from the router.
@@ -21,7 +24,6 @@ from dataclasses import dataclass
 import xxhash
 
 from prefixmesh.cache_registry.types import PrefixKey
-from prefixmesh.wire import HoldInstruction
 
 TRUSTED_PREFIX = "x-serve-router-"
 """Ray Serve's ``SERVE_INGRESS_ROUTER_HEADER_PREFIX``: HAProxy strips client-sent headers
@@ -38,17 +40,35 @@ def key_digest(key: PrefixKey) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Hold:
+    """Delay-hit deferral: on the chosen replica, wait (at most ``max_wait_s``) until the first
+    ``num_blocks`` blocks of the request are stored there, because another request on that
+    replica is computing them right now; then run, and hit them. The one hold type: the
+    policy decides it, the ticket carries it, the replica (or the simulated engine) waits it
+    out."""
+
+    num_blocks: int
+    max_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class RouteTicket:
     request_id: str
     replica_id: str
-    """The replica the router chose; HAProxy may redispatch to another one on a retry."""
+    """The replica the router chose; HAProxy may redispatch to another one on a retry (and
+    Serve may take a lower rank of the decision's on the proxy path)."""
     reason: str
-    matched_blocks: int
-    key_digest: str
-    arrived_ns: int
-    """Wall-clock time the router received the request: TTFT is measured from there."""
-    hold: HoldInstruction | None = None
+    """The routing decision's reason, for metrics and response headers."""
+    matched_blocks: int = 0
+    """Leading prompt blocks the chosen replica holds (registry)."""
+    key_digest: str = ""
+    """The direct path's check of the prompt's key (``key_digest``); empty: not checked."""
+    arrived_ns: int = 0
+    """Wall-clock time the router received the request (direct path: TTFT is measured from
+    there); 0: unknown."""
+    hold: Hold | None = None
     trace_context: Mapping[str, str] | None = None
+    """The routing decision's span context: the replica's spans are its children."""
 
     def headers(self) -> dict[str, str]:
         """Flat string headers (HAProxy's Lua parses a flat JSON map of strings)."""
@@ -80,7 +100,7 @@ class RouteTicket:
             raw_hold = headers.get(_PREFIX + "hold")
             if raw_hold:
                 blocks, wait_s = raw_hold.split(":", 1)
-                hold = HoldInstruction(int(blocks), float(wait_s))
+                hold = Hold(int(blocks), float(wait_s))
             trace = {f: headers[_PREFIX + f] for f in _TRACE_FIELDS if headers.get(_PREFIX + f)}
             return cls(
                 request_id=request_id,

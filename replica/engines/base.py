@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
-from prefixmesh.wire import SamplingSettings
+from prefixmesh.wire import ReplicaCapacity, SamplingSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +89,10 @@ class Engine(Protocol):
     kv_blocks: int
     """Engine-tier KV capacity in blocks (known after ``start``)."""
 
-    def capacity(self) -> dict[str, float]:
-        """ReplicaCapacity fields for routing (prefill_tokens_per_s, decode_step_s, ...)."""
+    def capacity(self) -> ReplicaCapacity | None:
+        """What the engine can do, for routing (None: it does not know, e.g. a remote engine
+        whose server reported none it could read). Built once per call from the engine's own
+        numbers, never parsed again by the replica."""
         ...
 
     async def start(self) -> None: ...

@@ -39,7 +39,7 @@ from prefixmesh.replica.engines.base import (
     HeldMirror,
     Residency,
 )
-from prefixmesh.wire import SamplingSettings
+from prefixmesh.wire import ReplicaCapacity, SamplingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class RemoteEngine:
         self.kv_blocks = 0
         self._hasher = hasher
         self._sink = sink
-        self._capacity: dict[str, float] = {}
+        self._capacity: ReplicaCapacity | None = None
         self._load = EngineLoad()
         self._mirror = HeldMirror()
         self._session: Any = None
@@ -239,7 +239,7 @@ class RemoteEngine:
             )
         self.kv_blocks = int(info["kv_blocks"])
         self._last_heard = self._clock()
-        self._capacity = {k: float(v) for k, v in info["capacity"].items()}
+        self._capacity = ReplicaCapacity.from_wire(info["capacity"])  # read once, here
         self._events_task = asyncio.get_running_loop().create_task(self._follow_events())
         logger.info("remote engine %s: %d KV blocks", self.url, self.kv_blocks)
 
@@ -328,8 +328,8 @@ class RemoteEngine:
     def withdraw(self, request_id: str) -> None:
         """Nothing (``announce``)."""
 
-    def capacity(self) -> dict[str, float]:
-        return dict(self._capacity)
+    def capacity(self) -> ReplicaCapacity | None:
+        return self._capacity
 
     def load(self) -> EngineLoad:
         return self._load

@@ -27,8 +27,8 @@ from prefixmesh.replica.engines.base import (
 )
 from prefixmesh.replica.model.engine import EngineModel
 from prefixmesh.replica.model.profile import EngineProfile
-from prefixmesh.replica.model.records import CacheChanged, Finished, FirstToken
-from prefixmesh.replica.model.records import EngineRequest as ModelRequest
+from prefixmesh.replica.model.records import CacheChanged, Finished, FirstToken, SimRequest
+from prefixmesh.wire import ReplicaCapacity
 
 # Output token ids are placeholders, cycled: ordinary merged tokens of a byte-level BPE (ids
 # past the 256 byte tokens and a few special ones), which decode to text as they stream; single
@@ -122,7 +122,7 @@ class SimEngine:
         output_tokens = max(1, request.sampling.max_tokens)
         stream = self._streams[rid] = _Stream(output_tokens=output_tokens)
         self.model.submit(
-            ModelRequest(
+            SimRequest(
                 rid, key, len(request.prompt_token_ids), output_tokens, priority=request.priority
             ),
             self._now(),
@@ -180,18 +180,18 @@ class SimEngine:
     def withdraw(self, request_id: str) -> None:
         """Nothing (``announce``)."""
 
-    def capacity(self) -> dict[str, float]:
+    def capacity(self) -> ReplicaCapacity:
         """In wall-clock terms: a time scale of 2 halves the rates and doubles the times."""
         profile, tp, scale = self.profile, self.model.tp_degree, self._scale
-        return {
-            "prefill_tokens_per_s": profile.prefill_tokens_per_s(tp) / scale,
-            "decode_step_s": profile.decode_step_s(1, 0, tp) * scale,
-            "max_batch_tokens": profile.max_batch_tokens,
-            "kv_blocks": self.kv_blocks,
-            "tp_degree": tp,
-            "cpu_load_s_per_block": profile.cpu_load_s_per_block * scale,
-            "attn_s_per_token_pair": profile.attn_s_per_token_ctx / profile.tp_speedup(tp) * scale,
-        }
+        return ReplicaCapacity(
+            prefill_tokens_per_s=profile.prefill_tokens_per_s(tp) / scale,
+            decode_step_s=profile.decode_step_s(1, 0, tp) * scale,
+            max_batch_tokens=profile.max_batch_tokens,
+            kv_blocks=max(1, self.kv_blocks),  # at least one: shares of it are taken
+            tp_degree=tp,
+            cpu_load_s_per_block=profile.cpu_load_s_per_block * scale,
+            attn_s_per_token_pair=profile.attn_s_per_token_ctx / profile.tp_speedup(tp) * scale,
+        )
 
     def busy_s(self) -> float:
         """Wall seconds the engine has spent running steps since it started."""

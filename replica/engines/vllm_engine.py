@@ -31,6 +31,7 @@ from prefixmesh.replica.engines.base import (
 from prefixmesh.replica.engines.calibration import CALIBRATION_RUNS, CalibrationRun, fastest
 from prefixmesh.replica.kv_events import VllmEventStream, VllmEventTranslator
 from prefixmesh.replica.kvcache.waiting_channel import NoticeSender
+from prefixmesh.wire import ReplicaCapacity
 
 logger = logging.getLogger(__name__)
 
@@ -304,16 +305,16 @@ class VllmEngine:
         if self._notices is not None:
             self._notices.left(request_id)
 
-    def capacity(self) -> dict[str, float]:
+    def capacity(self) -> ReplicaCapacity:
         s = self.settings
-        return {
-            "prefill_tokens_per_s": self._prefill_tokens_per_s,
-            "decode_step_s": self._decode_step_s,
-            "max_batch_tokens": s.max_num_batched_tokens,
-            "kv_blocks": self.kv_blocks,
-            "tp_degree": s.tensor_parallel_size,
-            "shared_load_s_per_block": self._shared_load_s_per_block(),
-        }
+        return ReplicaCapacity(
+            prefill_tokens_per_s=self._prefill_tokens_per_s,
+            decode_step_s=self._decode_step_s,
+            max_batch_tokens=s.max_num_batched_tokens,
+            kv_blocks=max(1, self.kv_blocks),  # at least one: shares of it are taken
+            tp_degree=s.tensor_parallel_size,
+            shared_load_s_per_block=self._shared_load_s_per_block(),
+        )
 
     def _shared_load_s_per_block(self) -> float:
         """Seconds to read one block (every layer of this rank) from the shared tier; 0: none."""

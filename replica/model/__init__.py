@@ -20,11 +20,11 @@ from prefixmesh.replica.model.profile import (
 from prefixmesh.replica.model.records import (
     CacheChanged,
     EngineEvent,
-    EngineLoad,
-    EngineRequest,
     Finished,
     FirstToken,
+    ModelLoad,
     RequestRecord,
+    SimRequest,
 )
 
 __all__ = [
@@ -35,15 +35,15 @@ __all__ = [
     "CacheChange",
     "CacheChanged",
     "EngineEvent",
-    "EngineLoad",
     "EngineModel",
     "EngineProfile",
-    "EngineRequest",
     "Finished",
     "FirstToken",
+    "ModelLoad",
     "PrefixCache",
     "PrefixMatch",
     "RequestRecord",
+    "SimRequest",
     "get_profile",
     "to_events",
     "with_cpu_tier",

@@ -49,14 +49,14 @@ from prefixmesh.replica.model.profile import EngineProfile
 from prefixmesh.replica.model.records import (
     CacheChanged,
     EngineEvent,
-    EngineLoad,
-    EngineRequest,
     Finished,
     FirstToken,
-    HoldSpec,
+    ModelLoad,
     RequestRecord,
+    SimRequest,
 )
 from prefixmesh.wire.replica_report import extra_attention_pairs
+from prefixmesh.wire.route_ticket import Hold
 
 PROMOTE_LOOKAHEAD = 16
 """Waiting requests looked at, oldest first, for blocks to promote ahead of their turn."""
@@ -85,7 +85,7 @@ class _Request:
         "state",
     )
 
-    def __init__(self, spec: EngineRequest, record: RequestRecord, hold: HoldSpec | None) -> None:
+    def __init__(self, spec: SimRequest, record: RequestRecord, hold: Hold | None) -> None:
         self.spec = spec
         self.record = record
         self.hold = hold
@@ -190,7 +190,7 @@ class EngineModel:
         self._clock_s = -math.inf
         self._stretch: _Stretch | None = None
         self._events: list[EngineEvent] = []
-        self._load: EngineLoad | None = None
+        self._load: ModelLoad | None = None
         self._pending_prefill = 0
         self._pending_attention_s = 0.0
         self._active_kv_blocks = 0
@@ -201,7 +201,7 @@ class EngineModel:
 
     # ---- driving -----------------------------------------------------------------------------
 
-    def submit(self, request: EngineRequest, now_s: float, hold: HoldSpec | None = None) -> None:
+    def submit(self, request: SimRequest, now_s: float, hold: Hold | None = None) -> None:
         """Queue ``request`` at ``now_s``; it joins the batch at the next step boundary."""
         self._catch_up(now_s)
         if request.request_id in self._requests:
@@ -256,9 +256,9 @@ class EngineModel:
         events, self._events = self._events, []
         return events
 
-    def load(self) -> EngineLoad:
+    def load(self) -> ModelLoad:
         if self._load is None:
-            self._load = EngineLoad(
+            self._load = ModelLoad(
                 queued_requests=len(self._waiting) + len(self._held),
                 running_requests=len(self._prefilling) + self._num_decoding,
                 pending_prefill_tokens=self._pending_prefill,
@@ -467,7 +467,7 @@ class EngineModel:
 
     # ---- request life cycle ------------------------------------------------------------------
 
-    def _check(self, request: EngineRequest) -> None:
+    def _check(self, request: SimRequest) -> None:
         size = self.block_size
         if request.prompt_tokens <= 0 or request.output_tokens <= 0:
             raise ValueError("prompt_tokens and output_tokens must be > 0")
@@ -486,7 +486,7 @@ class EngineModel:
         ):
             raise ValueError("finish_key must extend key within prompt + output tokens")
 
-    def _hit_blocks(self, request: EngineRequest) -> int:
+    def _hit_blocks(self, request: SimRequest) -> int:
         limit = (request.prompt_tokens - 1) // self.block_size
         return self.cache.match(request.key.block_hashes, limit).num_blocks
 

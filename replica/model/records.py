@@ -1,5 +1,7 @@
-"""What goes into and comes out of the engine model (``engine.py``): requests, holds, each
-request's record, the events it emits and the load it reports."""
+"""What goes into and comes out of the engine model (``engine.py``): requests, each request's
+record, the events it emits and the load it reports. A request's hold is the router's own
+``Hold`` (``prefixmesh.wire``); the real engines' request and load are ``EngineRequest`` and
+``EngineLoad`` (``replica/engines/base.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ from prefixmesh.replica.model.prefix_cache import CacheChange
 
 
 @dataclass(frozen=True, slots=True)
-class EngineRequest:
+class SimRequest:
+    """A request as the engine model sees it: its key and token counts (the real engines take
+    ``EngineRequest``, token ids and sampling)."""
+
     request_id: str
     key: PrefixKey
     """Chained hashes of the prompt's full blocks (block size = the engine's)."""
@@ -21,14 +26,6 @@ class EngineRequest:
     """Key of prompt + answer (extends ``key``): cached at finish, for the session's next turn."""
     priority: int = 0
     """Lower goes first (vLLM's ``priority``); equal priorities go in arrival order."""
-
-
-@dataclass(frozen=True, slots=True)
-class HoldSpec:
-    """Delay-hit deferral for one request; the same fields as the router's ``Hold``."""
-
-    num_blocks: int
-    max_wait_s: float
 
 
 @dataclass(slots=True)
@@ -82,7 +79,7 @@ EngineEvent = CacheChanged | FirstToken | Finished
 
 
 @dataclass(frozen=True, slots=True)
-class EngineLoad:
+class ModelLoad:
     """What a replica reports about its load (the router's snapshot fields)."""
 
     queued_requests: int

@@ -24,6 +24,9 @@ from prefixmesh.cache_registry.types import (
 # What replicas report (the wire type), re-exported: policies weigh replicas by it.
 from prefixmesh.wire.replica_report import ReplicaCapacity as ReplicaCapacity
 
+# The hold a decision asks for is the one the replica receives (the wire type), re-exported.
+from prefixmesh.wire.route_ticket import Hold as Hold
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaSnapshot:
@@ -78,16 +81,6 @@ def registry_view(hits: Mapping[ReplicaId, PrefixHit], group_rate: float = 0.0) 
         return RegistryView(hits, group_rate)
     own = {replica: hit for replica, hit in hits.items() if replica != SHARED_TIER}
     return RegistryView(own, group_rate, shared.num_blocks)
-
-
-@dataclass(frozen=True, slots=True)
-class Hold:
-    """Delay-hit deferral: on the chosen replica, wait (at most ``max_wait_s``) until the first
-    ``num_blocks`` blocks of the request are stored there, because another request on that
-    replica is computing them right now; then run, and hit them."""
-
-    num_blocks: int
-    max_wait_s: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from prefixmesh import tracing
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.config import TelemetryConfig
 from prefixmesh.replica.spans import replica_trace, trace_parent
+from prefixmesh.router.local_state import LocalRouterState
 from prefixmesh.router.route_server import RouterServer
 from prefixmesh.router.spans import route_span
 from prefixmesh.wire import GenerateRequest, SamplingSettings
@@ -38,11 +39,17 @@ def memory() -> Iterator[None]:
 
 
 class _Replicas:
+    def __init__(self, local: LocalRouterState) -> None:
+        self.local = local
+
     @contextlib.asynccontextmanager
     async def choose_replica(self, target: Any, _reserve: bool = True) -> AsyncIterator[Any]:
         if isinstance(target, GenerateRequest):
-            with route_span(target):  # ours decides inside it and hands on its context
-                target.routed_by, target.routed_to, target.matched_blocks = "affinity", "r1", 2
+            with route_span(target) as span:  # ours decides inside it and hands on its context
+                pass
+            ticket = RouteTicket(target.request_id, "r1", "affinity", 2, trace_context=span.carrier)
+            with self.local.lock:
+                self.local.record_ticket(ticket, 0.0, 600.0)
         replica_id = SimpleNamespace(unique_id="r1", to_full_id_str=lambda: "SERVE_REPLICA::a#r#r1")
         yield SimpleNamespace(_replica=SimpleNamespace(replica_id=replica_id))
 
@@ -72,8 +79,8 @@ class _HTTPRequest:
 
 async def route(headers: Mapping[str, str], body: bytes = b"{}") -> dict[str, Any]:
     """HAProxy's call to the router; the answer's JSON."""
-    metrics = SimpleNamespace(fell_back=lambda reason: None)
-    router = _Router(_budget_s=5.0, _replicas=_Replicas(), _local=SimpleNamespace(metrics=metrics))
+    local = LocalRouterState(registry=None)  # type: ignore[arg-type]
+    router = _Router(_budget_s=5.0, _replicas=_Replicas(local), _local=local)
     router.routed = router.fallbacks = 0
     response = await RouterServer.route(router, _HTTPRequest(body, headers))
     answer: dict[str, Any] = json.loads(response.body)

@@ -46,8 +46,13 @@ def test_before_setup_the_tracer_is_the_noop_one() -> None:
 def test_context_survives_a_pickled_generate_request() -> None:
     tracing.setup(MEMORY, "ingress")
     parent = tracing.tracer().start_span("prefixmesh.request")
-    request = GenerateRequest("r1", (1, 2, 3), PrefixKey((), 16), SamplingSettings(4))
-    request.trace_context = tracing.inject(parent)
+    request = GenerateRequest(
+        "r1",
+        (1, 2, 3),
+        PrefixKey((), 16),
+        SamplingSettings(4),
+        trace_context=tracing.inject(parent),
+    )
     parent.end()
 
     arrived: GenerateRequest = pickle.loads(pickle.dumps(request))

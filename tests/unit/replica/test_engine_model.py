@@ -17,12 +17,12 @@ from prefixmesh.replica.model.profile import EngineProfile
 from prefixmesh.replica.model.records import (
     CacheChanged,
     EngineEvent,
-    EngineRequest,
     Finished,
     FirstToken,
-    HoldSpec,
     RequestRecord,
+    SimRequest,
 )
+from prefixmesh.wire import Hold
 
 TINY = EngineProfile(
     name="tiny",
@@ -44,8 +44,8 @@ def key(*hashes: int) -> PrefixKey:
 
 def request(
     request_id: str, blocks: tuple[int, ...], prompt: int, output: int, **extra: object
-) -> EngineRequest:
-    return EngineRequest(request_id, key(*blocks), prompt, output, **extra)  # type: ignore[arg-type]
+) -> SimRequest:
+    return SimRequest(request_id, key(*blocks), prompt, output, **extra)  # type: ignore[arg-type]
 
 
 def drain(engine: EngineModel, until_s: float = float("inf")) -> list[EngineEvent]:
@@ -204,7 +204,7 @@ def test_a_prefill_does_not_yield_to_a_request_that_cannot_start() -> None:
 def test_hold_waits_for_the_in_flight_prefix_then_hits_it() -> None:
     engine = EngineModel(TINY)
     engine.submit(request("a", (1, 2, 3), prompt=12, output=1), 0.0)
-    engine.submit(request("b", (1, 2, 3), prompt=13, output=1), 0.5, HoldSpec(3, 10.0))
+    engine.submit(request("b", (1, 2, 3), prompt=13, output=1), 0.5, Hold(3, 10.0))
     engine.submit(request("c", (9,), prompt=4, output=1), 0.5)  # not held: passes b
     done = records(drain(engine))
     # 2.0: a's last 4 tokens and c's 4 share a step (to 4.0); b is set aside meanwhile.
@@ -220,7 +220,7 @@ def test_a_held_request_counts_only_what_it_will_compute_after_its_hit() -> None
     # its attention), so the replica computing it for them looked seconds busier than it was.
     engine = EngineModel(replace(TINY, attn_s_per_token_ctx=0.01))
     engine.submit(request("a", (1, 2, 3), prompt=12, output=1), 0.0)
-    engine.submit(request("b", (1, 2, 3), prompt=13, output=1), 0.5, HoldSpec(3, 10.0))
+    engine.submit(request("b", (1, 2, 3), prompt=13, output=1), 0.5, Hold(3, 10.0))
     waiting = engine.load()
     assert waiting.pending_prefill_tokens == 12 + 13  # queued, not held yet
     engine.advance(engine.next_event_s())  # type: ignore[arg-type]  # b is held for a's blocks
@@ -243,7 +243,7 @@ def test_without_a_hold_the_sibling_computes_the_prefix_again() -> None:
 def test_hold_runs_out_at_its_bound() -> None:
     engine = EngineModel(TINY)
     engine.submit(request("a", (1, 2, 3), prompt=12, output=1), 0.0)
-    engine.submit(request("b", (1, 2, 3), prompt=13, output=1), 0.5, HoldSpec(3, 1.0))
+    engine.submit(request("b", (1, 2, 3), prompt=13, output=1), 0.5, Hold(3, 1.0))
     done = records(drain(engine))
     assert done["b"].admitted_s == 2.0  # the bound (1.5) passed before the 2.0 boundary
     assert done["b"].cached_tokens == 0
@@ -253,7 +253,7 @@ def test_hold_runs_out_at_its_bound() -> None:
 def test_hold_on_blocks_nobody_computes_is_no_wait() -> None:
     engine = EngineModel(TINY)
     engine.submit(request("a", (1, 2), prompt=8, output=1), 0.0)
-    engine.submit(request("b", (5, 6), prompt=8, output=1), 0.0, HoldSpec(2, 10.0))
+    engine.submit(request("b", (5, 6), prompt=8, output=1), 0.0, Hold(2, 10.0))
     done = records(drain(engine))
     assert done["b"].admitted_s == 2.0 and done["b"].held_s == 0.0
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.cache_registry.memory import InMemoryRegistry
 from prefixmesh.cache_registry.types import EventKind, ReplicaId, Tier
-from prefixmesh.replica.deployment import ReplicaServer
+from prefixmesh.replica.deployment import ReplicaCore
 from prefixmesh.replica.engines.base import BlockChange, EngineLoad, Residency
 from prefixmesh.replica.engines.remote_engine import (
     RemoteEngine,
@@ -43,11 +44,17 @@ class _Engine:
         pass
 
 
-def _server(engine: _Engine) -> ReplicaServer:
-    server = ReplicaServer.__new__(ReplicaServer)  # no Serve: only what the calls touch
-    server.replica_id = R
-    server.engine = engine  # type: ignore[assignment]
-    return server
+def _server(
+    engine: _Engine, publisher: Any = None, registry: InMemoryRegistry | None = None
+) -> ReplicaCore:
+    """The replica's core, no Serve (``publisher``: a fake when the calls touch none)."""
+    return ReplicaCore(
+        sim_config(),
+        R,
+        engine,  # type: ignore[arg-type]
+        publisher or SimpleNamespace(),
+        registry=registry,
+    )
 
 
 async def test_check_health_raises_when_the_engine_is_not_healthy() -> None:
@@ -126,11 +133,10 @@ async def test_a_remote_engine_is_unhealthy_once_its_server_is_gone_too_long() -
 async def test_shutdown_drops_the_replica_from_a_shared_registry() -> None:
     registry = InMemoryRegistry(HASHER.fingerprint)
     engine = _Engine(healthy=True)
-    server = _server(engine)
-    server._registry = registry
-    server.publisher = EventPublisher(
+    publisher = EventPublisher(
         R, registry, lambda: Residency.of({Tier.GPU: KEY.block_hashes}), liveness=registry
     )
+    server = _server(engine, publisher, registry)
     server.publisher.start()
     server.publisher.submit([BlockChange(EventKind.STORED, Tier.GPU, KEY.block_hashes)])
     await server.shutdown()  # the final flush delivers the change, then the drop removes it
@@ -146,7 +152,7 @@ async def test_health_through_the_front_door_says_why_the_registry_is_degraded()
     from prefixmesh.replica.openai_server import ReplicaHTTPServer
 
     replica = SimpleNamespace(_registry=None)  # what the endpoint uses of a replica
-    replica.registry_health = lambda: ReplicaServer.registry_health(replica)  # type: ignore[arg-type]
+    replica.registry_health = lambda: ReplicaCore.registry_health(replica)  # type: ignore[arg-type]
     assert await ReplicaHTTPServer.health(replica) == {"status": "ok"}  # in-process registry
     registry = RedisRegistry(HASHER.fingerprint, "redis://127.0.0.1:9/0")
     registry._disabled_reason = "the registry holds another cluster's blocks"

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.replica.deployment import ReplicaServer
+from prefixmesh.replica.deployment import ReplicaCore
 from prefixmesh.replica.fair_gate import FairGate
 from prefixmesh.replica.fair_share import FairQueue, FairTicket
-from prefixmesh.wire import HoldInstruction
+from prefixmesh.wire import Hold
 from tests.unit.replica.test_spans import KEY, _drain, _Engine, _request, _server
 
 
@@ -23,18 +22,16 @@ async def _until_waiting(gate: FairGate) -> None:
     raise AssertionError("the request never reached the gate")
 
 
-def _gated(engine: _Engine, budget: int) -> tuple[ReplicaServer, FairGate]:
-    server = _server(engine)
-    server.config = PrefixmeshConfig()
-    server.fair = gate = FairGate(FairQueue(prefill_budget_tokens=budget))
-    return server, gate
+def _gated(engine: _Engine, budget: int) -> tuple[ReplicaCore, FairGate]:
+    gate = FairGate(FairQueue(prefill_budget_tokens=budget))
+    return _server(engine, fair=gate), gate
 
 
 async def test_a_held_request_is_announced_then_withdrawn_before_it_runs() -> None:
     engine = _Engine()
     server = _server(engine)
     server.holds.inflight.started("other", KEY, 256)  # another request computes the prefix
-    await _drain(server, _request(HoldInstruction(num_blocks=2, max_wait_s=0.05)))
+    await _drain(server, _request(Hold(num_blocks=2, max_wait_s=0.05)))
     assert engine.notices == [("waiting", "cmpl-1"), ("left", "cmpl-1")]
 
 

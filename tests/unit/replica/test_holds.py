@@ -14,7 +14,8 @@ from prefixmesh.replica.holds import (
     combined_hold,
     own_hold,
 )
-from prefixmesh.wire import HoldInstruction, ReplicaCapacity
+from prefixmesh.wire import Hold, ReplicaCapacity
+from tests.fakes import virtual_time
 
 HASHER = BlockHasher(2, "m")
 LONG = HASHER.hash_tokens(list(range(12)))  # 6 blocks
@@ -76,7 +77,7 @@ def test_a_replica_holds_only_for_blocks_its_engine_does_not_have() -> None:
     inflight = InflightPrefills()
     inflight.started("a", LONG, prompt_tokens=12)
     hold = own_hold(inflight, SIBLING, resident_blocks=0, min_blocks=2, capacity=RATE_4)
-    assert hold == HoldInstruction(4, 2.0 * 12 / 4.0 + 0.05)
+    assert hold == Hold(4, 2.0 * 12 / 4.0 + 0.05)
     assert own_hold(inflight, SIBLING, resident_blocks=4, min_blocks=2, capacity=RATE_4) is None
     assert own_hold(inflight, SIBLING, resident_blocks=3, min_blocks=2, capacity=RATE_4) is None
     assert own_hold(inflight, SIBLING, resident_blocks=2, min_blocks=2, capacity=RATE_4) is not None
@@ -95,9 +96,9 @@ def test_a_replicas_own_hold_lasts_through_a_long_prompts_attention() -> None:
 
 
 def test_the_router_hold_and_the_replica_hold_combine_to_the_longer_one() -> None:
-    router = HoldInstruction(3, 0.5)
-    own = HoldInstruction(4, 0.2)
-    assert combined_hold(router, own, resident_blocks=0) == HoldInstruction(4, 0.5)
+    router = Hold(3, 0.5)
+    own = Hold(4, 0.2)
+    assert combined_hold(router, own, resident_blocks=0) == Hold(4, 0.5)
     assert combined_hold(router, None, resident_blocks=0) == router
     assert combined_hold(None, own, resident_blocks=0) == own
     assert combined_hold(None, None, resident_blocks=0) is None
@@ -117,33 +118,52 @@ def test_the_resident_mirror_counts_the_held_head_of_a_chain() -> None:
     assert mirror.leading(long) == 0
 
 
-async def test_a_hold_waits_briefly_for_the_computing_request_to_arrive() -> None:
+def test_a_hold_waits_briefly_for_the_computing_request_to_arrive() -> None:
     # Two ingresses: the held sibling's call can reach the replica before the computing one's.
-    inflight = InflightPrefills()
-    waiter = asyncio.create_task(inflight.wait(SIBLING, 4, max_wait_s=5, arrival_grace_s=1.0))
-    await asyncio.sleep(0.02)
-    inflight.started("other", OTHER)  # another prompt starting does not end the grace
-    await asyncio.sleep(0.02)
-    assert not waiter.done()
-    inflight.started("a", LONG)
-    await asyncio.sleep(0.02)
-    assert not waiter.done()  # now waiting for a's prefill itself
-    inflight.finished("a")
-    assert await asyncio.wait_for(waiter, 1) is True
-    assert (inflight.holds, inflight.hold_timeouts) == (1, 0)
+    async def main() -> None:
+        inflight = InflightPrefills()
+        waiter = asyncio.create_task(inflight.wait(SIBLING, 4, max_wait_s=5, arrival_grace_s=1.0))
+        await asyncio.sleep(0.02)
+        inflight.started("other", OTHER)  # another prompt starting does not end the grace
+        await asyncio.sleep(0.02)
+        assert not waiter.done()
+        inflight.started("a", LONG)
+        await asyncio.sleep(0.02)
+        assert not waiter.done()  # now waiting for a's prefill itself
+        inflight.finished("a")
+        assert await asyncio.wait_for(waiter, 1) is True
+        assert (inflight.holds, inflight.hold_timeouts) == (1, 0)
+
+    virtual_time.run(main())
 
 
-async def test_the_arrival_grace_is_bounded() -> None:
-    inflight = InflightPrefills()
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    assert await inflight.wait(SIBLING, 4, max_wait_s=5, arrival_grace_s=0.05) is False
-    assert 0.04 <= loop.time() - started < 0.5
-    # The grace never outlasts the hold's own bound, and the bound covers the grace.
-    started = loop.time()
-    assert await inflight.wait(SIBLING, 4, max_wait_s=0.02, arrival_grace_s=1.0) is False
-    assert loop.time() - started < 0.5
-    assert (inflight.holds, inflight.hold_timeouts) == (0, 0)
+def test_the_arrival_grace_is_bounded() -> None:
+    async def main() -> None:
+        inflight = InflightPrefills()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await inflight.wait(SIBLING, 4, max_wait_s=5, arrival_grace_s=0.05) is False
+        assert loop.time() - started == pytest.approx(0.05, abs=1e-6)
+        # The grace never outlasts the hold's own bound, and the bound covers the grace.
+        started = loop.time()
+        assert await inflight.wait(SIBLING, 4, max_wait_s=0.02, arrival_grace_s=1.0) is False
+        assert loop.time() - started == pytest.approx(0.02, abs=1e-6)
+        assert (inflight.holds, inflight.hold_timeouts) == (0, 0)
+
+    virtual_time.run(main())
+
+
+def test_a_hold_ends_at_its_bound_when_the_prefill_never_finishes() -> None:
+    async def main() -> None:
+        inflight = InflightPrefills()
+        inflight.started("a", LONG)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await inflight.wait(SIBLING, 4, max_wait_s=0.25) is True
+        assert loop.time() - started == pytest.approx(0.25, abs=1e-6)
+        assert (inflight.holds, inflight.hold_timeouts) == (1, 1)
+
+    virtual_time.run(main())
 
 
 def _never() -> float:
@@ -156,7 +176,7 @@ def test_nothing_in_flight_and_no_router_hold_asks_nothing() -> None:
 
 
 def test_the_replica_holds_on_its_own_only_when_told_it_may() -> None:
-    router_hold = HoldInstruction(2, 0.5)
+    router_hold = Hold(2, 0.5)
     for own_holds in (True, False):
         holds = ReplicaHolds(HoldSettings(own_holds=own_holds, min_blocks=1))
         holds.inflight.started("a", LONG, 12)
@@ -171,17 +191,17 @@ def test_the_replica_holds_on_its_own_only_when_told_it_may() -> None:
         assert holds.hold_for(router_hold, SIBLING, lambda: 4, lambda: RATE_1000) is None
 
 
-async def test_only_a_routers_hold_waits_for_its_prefill_to_arrive() -> None:
-    holds = ReplicaHolds(HoldSettings(own_holds=True, arrival_grace_s=5.0))
-    hold = HoldInstruction(4, 5.0)
-    assert await holds.wait(hold, SIBLING, from_router=False) < 1.0  # no grace: at once
-    waiter = asyncio.create_task(holds.wait(hold, SIBLING, from_router=True))
-    await asyncio.sleep(0)
-    holds.inflight.started("a", LONG, 12)  # the prefill it names starts here
-    for _ in range(100):  # a few loop turns: the grace wakes, finds it, and waits on it
-        if holds.inflight.holds:
-            break
-        await asyncio.sleep(0)
-    assert not waiter.done() and holds.inflight.holds == 1
-    holds.inflight.finished("a")
-    assert await asyncio.wait_for(waiter, 1) < 5.0
+def test_only_a_routers_hold_waits_for_its_prefill_to_arrive() -> None:
+    async def main() -> None:
+        holds = ReplicaHolds(HoldSettings(own_holds=True, arrival_grace_s=5.0))
+        hold = Hold(4, 5.0)
+        assert await holds.wait(hold, SIBLING, from_router=False) == 0.0  # no grace: at once
+        waiter = asyncio.create_task(holds.wait(hold, SIBLING, from_router=True))
+        await asyncio.sleep(0.1)  # in its grace
+        holds.inflight.started("a", LONG, 12)  # the prefill it names starts here
+        await asyncio.sleep(0.2)  # the grace woke, found it, and waits on it
+        assert not waiter.done() and holds.inflight.holds == 1
+        holds.inflight.finished("a")
+        assert await asyncio.wait_for(waiter, 1) == pytest.approx(0.3, abs=1e-6)
+
+    virtual_time.run(main())

@@ -13,7 +13,7 @@ from prefixmesh.api.request_metrics import DirectMetrics
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.replica.openai_server import ReplicaHTTPServer
-from prefixmesh.wire import GenerateRequest, HoldInstruction, SamplingSettings
+from prefixmesh.wire import GenerateRequest, Hold, SamplingSettings
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 from tests.unit.router.test_metrics import samples
 
@@ -54,7 +54,7 @@ def ticket(replica_id: str = ME, digest: str | None = None) -> RouteTicket:
         matched_blocks=2,
         key_digest=key_digest(KEY) if digest is None else digest,
         arrived_ns=1,
-        hold=HoldInstruction(2, 0.25),
+        hold=Hold(2, 0.25),
         trace_context={"traceparent": "00-ab-cd-01"},
     )
 
@@ -68,12 +68,8 @@ def test_the_router_s_decision_and_the_replica_s_key_make_the_request() -> None:
     parent = {"traceparent": "00-ab-cd-01"}  # trace_parent's choice (tests/unit/replica)
     request = replica._request(ticket(), prepared(), parent)
     assert request.key is KEY  # the hasher's key, not a tuple rebuilt from it
-    assert (request.request_id, request.hold, request.routed_by) == (
-        "cmpl-router-1",
-        HoldInstruction(2, 0.25),
-        "affinity",
-    )
-    assert (request.routed_to, request.matched_blocks) == (ME, 2)
+    assert request.ticket == ticket()  # the router's decision, as it came
+    assert (request.request_id, request.hold) == ("cmpl-router-1", Hold(2, 0.25))
     assert request.trace_context == parent
     assert (request.tenant, request.priority) == ("team-a", 3)  # built once, not replaced
     assert not hasattr(request, "claim")
@@ -84,7 +80,9 @@ def test_the_router_s_decision_and_the_replica_s_key_make_the_request() -> None:
 def test_a_redispatched_request_waits_for_nothing_meant_for_another_replica() -> None:
     replica = server()
     request = replica._request(ticket(replica_id="replica-b"), prepared())
-    assert (request.hold, request.matched_blocks, request.routed_to) == (None, 0, "replica-b")
+    assert request.ticket is not None
+    assert (request.hold, request.ticket.matched_blocks) == (None, 0)
+    assert (request.ticket.replica_id, request.ticket.reason) == ("replica-b", "affinity")
     assert counted(replica, "prefixmesh_redispatched_requests_total") == 1.0
 
 

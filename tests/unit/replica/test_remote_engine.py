@@ -86,7 +86,9 @@ async def test_generates_remotely_and_mirrors_the_cache(
     engine = RemoteEngine(RemoteEngineSettings(server.url), hasher, sink)
     await engine.start()
     try:
-        assert engine.kv_blocks == 64 and engine.capacity()["prefill_tokens_per_s"] > 0
+        capacity = engine.capacity()  # read once from the server's info, typed
+        assert engine.kv_blocks == 64 and capacity is not None
+        assert capacity.prefill_tokens_per_s > 0 and capacity.kv_blocks == 64
         request = EngineRequest("g1", PROMPT, SamplingSettings(max_tokens=3))
         chunks = [c async for c in engine.generate(request)]
         assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finished

@@ -3,6 +3,7 @@ sent to Serve in its wire form (no Serve here)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from types import SimpleNamespace
 
@@ -10,25 +11,21 @@ import pytest
 
 from prefixmesh.cache_registry.types import BlockHash, EventKind, PrefixKey, ReplicaId, Tier
 from prefixmesh.config import load_config
-from prefixmesh.replica.deployment import ReplicaServer
-from prefixmesh.replica.engines.base import BlockChange, EngineLoad, HeldMirror
+from prefixmesh.replica.deployment import ReplicaCore
+from prefixmesh.replica.engines.base import BlockChange, EngineLoad
 from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
 from prefixmesh.wire import GenerateRequest, ReplicaCapacity, ReplicaReport, SamplingSettings
 
-CAPACITY = {
-    "prefill_tokens_per_s": 9000.0,
-    "decode_step_s": 0.02,
-    "max_batch_tokens": 2048,
-    "kv_blocks": 512,
-    "tp_degree": 1,
-}
+CAPACITY = ReplicaCapacity(
+    prefill_tokens_per_s=9000.0, decode_step_s=0.02, max_batch_tokens=2048, kv_blocks=512
+)
 
 
 class _Engine:
-    def __init__(self, capacity: dict[str, float] = CAPACITY) -> None:
+    def __init__(self, capacity: ReplicaCapacity = CAPACITY) -> None:
         self._capacity = capacity
 
-    def capacity(self) -> dict[str, float]:
+    def capacity(self) -> ReplicaCapacity:
         return self._capacity
 
     def load(self) -> EngineLoad:
@@ -44,12 +41,8 @@ class _Engine:
         pass
 
 
-def _server(capacity: dict[str, float] = CAPACITY) -> ReplicaServer:
-    server = ReplicaServer.__new__(ReplicaServer)
-    server.replica_id = ReplicaId("replica-a")
-    server.engine = _Engine(capacity)  # type: ignore[assignment]
-    server.holds = ReplicaHolds(HoldSettings(own_holds=True))
-    server.publisher = SimpleNamespace(  # type: ignore[assignment]
+def _server(capacity: ReplicaCapacity = CAPACITY, *overrides: str) -> ReplicaCore:
+    publisher = SimpleNamespace(
         epoch=7,
         published_events=30,
         published_resets=2,
@@ -57,6 +50,14 @@ def _server(capacity: dict[str, float] = CAPACITY) -> ReplicaServer:
         heartbeat_mismatches=0,
         reaped=2,
     )
+    server = ReplicaCore(
+        load_config(overrides=list(overrides)),
+        ReplicaId("replica-a"),
+        _Engine(capacity),  # type: ignore[arg-type]
+        publisher,  # type: ignore[arg-type]
+        holds=ReplicaHolds(HoldSettings(own_holds=True)),
+    )
+    # Requests in flight: two queued, one running, one finished.
     server._prefill_tokens = {"q1": 300, "q2": 200}
     server._prefill_attention_s = {}
     server._running = {"run1"}
@@ -83,9 +84,9 @@ def test_the_report_counts_what_reached_the_replica() -> None:
 
 
 def test_a_replica_with_an_attention_cost_reports_its_queued_prompts_attention() -> None:
-    server = _server(CAPACITY | {"attn_s_per_token_pair": 1e-9})
-    server.config = load_config(overrides=["cache.block_size=100"])
-    server._resident = HeldMirror()
+    server = _server(
+        dataclasses.replace(CAPACITY, attn_s_per_token_pair=1e-9), "cache.block_size=100"
+    )
     keys = PrefixKey(tuple(BlockHash(b) for b in range(500)), 100)
     # Nothing of the 50,000-token prompt held: all of it is priced, its pairs past what the
     # 2,048-token chunks' rate counts; a 300-token prompt fits one chunk: none.

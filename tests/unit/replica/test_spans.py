@@ -4,7 +4,6 @@ in-memory exporter: no Serve."""
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -13,11 +12,13 @@ import pytest
 from prefixmesh import tracing
 from prefixmesh.cache_registry.types import BlockHash, PrefixKey, ReplicaId
 from prefixmesh.config import TelemetryConfig
-from prefixmesh.replica.deployment import ReplicaServer
-from prefixmesh.replica.engines.base import EngineChunk, EngineRequest, HeldMirror
+from prefixmesh.replica.deployment import ReplicaCore
+from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
+from prefixmesh.replica.fair_gate import FairGate
 from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
 from prefixmesh.replica.spans import LINKED, NO_TRACE, replica_trace, trace_parent
-from prefixmesh.wire import GenerateRequest, HoldInstruction, SamplingSettings
+from prefixmesh.wire import GenerateRequest, Hold, ReplicaCapacity, RouteTicket, SamplingSettings
+from tests.unit.replica.conftest import sim_config
 
 R = ReplicaId("replica-a")
 KEY = PrefixKey(tuple(BlockHash(7 + i) for i in range(2)), 128)
@@ -42,46 +43,52 @@ class _Engine:
             last = i == 2
             yield EngineChunk((i,), last, "length" if last else None, num_cached_tokens=128)
 
-    def capacity(self) -> dict[str, float]:
-        return {
-            "prefill_tokens_per_s": 10_000.0,
-            "decode_step_s": 0.01,
-            "max_batch_tokens": 2048,
-            "kv_blocks": 100,
-        }
+    def capacity(self) -> ReplicaCapacity:
+        return ReplicaCapacity(
+            prefill_tokens_per_s=10_000.0, decode_step_s=0.01, max_batch_tokens=2048, kv_blocks=100
+        )
 
     def close(self) -> None:
         pass
 
 
-def _server(engine: _Engine) -> ReplicaServer:
-    server = ReplicaServer.__new__(ReplicaServer)  # no Serve: only what generate touches
-    server.replica_id = R
-    server.engine = engine
-    server.holds = ReplicaHolds(HoldSettings(own_holds=True))
-    server._resident = HeldMirror()
-    server._coalesce = False
-    server._registry = None
-    server._prefill_tokens = {}
-    server._prefill_attention_s = {}
-    server._running = set()
-    server._finished = deque(maxlen=8)
-    return server
+class _NoPublisher:
+    """The event publisher of a replica whose engine reports no changes."""
+
+    def submit(self, changes: object) -> None:
+        raise AssertionError("the fake engine changes nothing")
 
 
-def _request(hold: HoldInstruction | None = None) -> GenerateRequest:
+def _server(engine: _Engine, fair: FairGate | None = None) -> ReplicaCore:
+    """The replica's core, no Serve: the fake engine, its own holds, no coalescing."""
+    return ReplicaCore(
+        sim_config("replica.coalesce_stream=false"),
+        R,
+        engine,  # type: ignore[arg-type]
+        _NoPublisher(),  # type: ignore[arg-type]
+        holds=ReplicaHolds(HoldSettings(own_holds=True)),
+        fair=fair,
+    )
+
+
+def _request(
+    hold: Hold | None = None,
+    trace_context: dict[str, str] | None = None,
+    routed_to: str = R,
+) -> GenerateRequest:
     return GenerateRequest(
         "cmpl-1",
         tuple(range(2 * 128 + 3)),
         KEY,
         SamplingSettings(3),
-        hold=hold,
+        ticket=RouteTicket("cmpl-1", routed_to, "affinity", hold=hold),
+        trace_context=trace_context,
         tenant="team-a",
         priority=-1,
     )
 
 
-async def _drain(server: ReplicaServer, request: GenerateRequest) -> list[Any]:
+async def _drain(server: ReplicaCore, request: GenerateRequest) -> list[Any]:
     return [chunk async for chunk in server.generate(request)]
 
 
@@ -95,8 +102,7 @@ def memory() -> Iterator[None]:
 
 async def test_generate_spans_are_children_of_the_route_span(memory: None) -> None:
     route = tracing.tracer().start_span("prefixmesh.route")
-    request = _request(HoldInstruction(num_blocks=2, max_wait_s=0.5))
-    request.trace_context = tracing.inject(route)
+    request = _request(Hold(num_blocks=2, max_wait_s=0.5), tracing.inject(route))
     route.end()
 
     chunks = await _drain(_server(_Engine()), request)
@@ -136,7 +142,7 @@ async def test_generate_spans_are_children_of_the_route_span(memory: None) -> No
 async def test_a_held_request_records_the_time_it_waited(memory: None) -> None:
     server = _server(_Engine())
     server.holds.inflight.started("other", KEY, 256)  # another request is computing the prefix
-    request = _request(HoldInstruction(num_blocks=2, max_wait_s=0.05))
+    request = _request(Hold(num_blocks=2, max_wait_s=0.05))
     await _drain(server, request)
     queue = next(s for s in tracing.finished_spans() if s["name"] == "prefixmesh.replica.queue")
     assert queue["attributes"]["prefixmesh.hold_s"] >= 0.04  # waited out the bound
@@ -200,8 +206,7 @@ def test_a_decision_in_another_trace_is_linked_from_the_client_s(memory: None) -
     parent = trace_parent(OTHER_DECISION, {**CLIENT, **state})
     assert parent == {**CLIENT, **state, LINKED: OTHER_DECISION["traceparent"]}
 
-    request = _request()
-    request.trace_context = parent
+    request = _request(trace_context=parent)
     trace = replica_trace(request, R)
     trace.end(0, None)
     spans = {s["name"]: s for s in tracing.finished_spans()}
@@ -223,8 +228,7 @@ def test_tracing_off_has_no_parent() -> None:
 
 
 async def test_a_request_the_decision_sent_elsewhere_names_that_replica(memory: None) -> None:
-    request = _request()
-    request.routed_to = "replica-b"  # HAProxy redispatched it here
+    request = _request(routed_to="replica-b")  # HAProxy redispatched it here
     await _drain(_server(_Engine()), request)
     root = next(s for s in tracing.finished_spans() if s["name"] == "prefixmesh.replica.generate")
     assert root["attributes"]["prefixmesh.routed_to"] == "replica-b"

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixmesh.api.generation import Generation
 from prefixmesh.api.request_metrics import RequestMetrics as IngressMetrics
 from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.router.metrics import RouterMetrics
-from prefixmesh.wire import GenerateChunk, GenerateRequest, HoldInstruction, SamplingSettings
+from prefixmesh.wire import GenerateChunk, GenerateRequest, Hold, RouteTicket, SamplingSettings
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -95,8 +98,10 @@ def test_a_replica_that_left_stops_being_reported() -> None:
 
 async def test_hold_time_comes_from_the_first_chunk() -> None:
     ingress = IngressMetrics()
-    request = GenerateRequest("cmpl-1", (1, 2, 3), PrefixKey((), 16), SamplingSettings(4))
-    request.hold = HoldInstruction(1, 0.5)
+    ticket = RouteTicket("cmpl-1", "r1", "hold", hold=Hold(1, 0.5))
+    request = GenerateRequest(
+        "cmpl-1", (1, 2, 3), PrefixKey((), 16), SamplingSettings(4), ticket=ticket
+    )
     chunk = GenerateChunk((7,), num_cached_tokens=2, replica_id="r1", held_s=0.03)
     generation = Generation(
         _Stream([chunk]), lambda ids: "x", 3, [], lambda: None, lambda: None, request=request
@@ -110,10 +115,56 @@ async def test_hold_time_comes_from_the_first_chunk() -> None:
     assert generation.routed_to == "r1"
 
 
-def test_routed_to_falls_back_to_the_routers_choice() -> None:
+async def test_routed_to_falls_back_to_the_routers_choice() -> None:
+    """No chunk came back: the replica to avoid is the one the request router chose, taken
+    once from the state it shares with the ingress, before the generation closes."""
     request = GenerateRequest("cmpl-1", (1,), PrefixKey((), 16), SamplingSettings(1))
-    request.routed_to = "r9"  # set by the request router; no chunk came back
+    asked: list[str] = []
+
+    def routed() -> RouteTicket:
+        asked.append("routed")
+        return RouteTicket("cmpl-1", "r9", "affinity", 3)
+
     generation = Generation(
-        _Stream([]), lambda ids: "", 1, [], lambda: None, lambda: None, request=request
+        _Stream([]),
+        lambda ids: "",
+        1,
+        [],
+        lambda: None,
+        lambda: asked.append("end"),
+        request=request,
+        routed=routed,
     )
+    assert generation.routed_to == ""  # not known before the first output
+    await generation.first()
     assert generation.routed_to == "r9"
+    assert generation.ticket is not None and generation.ticket.matched_blocks == 3
+    assert asked == ["routed"]
+    generation.close()
+    assert asked == ["routed", "end"]
+
+
+async def test_the_router_s_choice_is_known_when_the_call_fails_before_any_output() -> None:
+    request = GenerateRequest("cmpl-1", (1,), PrefixKey((), 16), SamplingSettings(1))
+    asked: list[str] = []
+
+    class _Failing:
+        async def __anext__(self) -> Any:
+            raise ConnectionError("replica died")
+
+        def cancel(self) -> None:
+            pass
+
+    generation = Generation(
+        _Failing(),
+        lambda ids: "",
+        1,
+        [],
+        lambda: None,
+        lambda: asked.append("end"),
+        request=request,
+        routed=lambda: RouteTicket("cmpl-1", "r9", "affinity"),
+    )
+    with pytest.raises(ConnectionError):
+        await generation.first()
+    assert generation.routed_to == "r9" and asked == ["end"]

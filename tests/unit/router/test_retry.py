@@ -8,7 +8,7 @@ import ray.exceptions as ray_errors
 from prefixmesh.cache_registry.types import BlockHash, PrefixKey
 from prefixmesh.replica.engines.remote_engine import RemoteEngineLost
 from prefixmesh.router.retry import AttemptFailed, is_retryable, retry_request, run_with_retry
-from prefixmesh.wire import GenerateRequest, HoldInstruction, SamplingSettings
+from prefixmesh.wire import GenerateRequest, Hold, RouteTicket, SamplingSettings
 
 
 class FakeGeneration:
@@ -167,18 +167,16 @@ def test_which_failures_are_retryable(error: BaseException, retryable: bool) -> 
     assert is_retryable(error) is retryable
 
 
-def test_a_retry_request_carries_nothing_the_router_wrote_into_the_failed_attempt() -> None:
-    # The router writes its decision into the request object; a hold copied into the retry
-    # would make it wait for the dead replica's prefill somewhere else (regression).
+def test_a_retry_request_carries_no_decision_of_the_failed_attempt() -> None:
+    # A hold copied into the retry would make it wait for the dead replica's prefill
+    # somewhere else (regression).
     key = PrefixKey((BlockHash(11),), 2)
-    first = GenerateRequest("req-1", (1, 2, 3), key, SamplingSettings(max_tokens=4))
-    first.hold = HoldInstruction(num_blocks=1, max_wait_s=0.5)
-    first.routed_by, first.routed_to, first.matched_blocks = "prefixmesh", "r1", 1
+    decided = RouteTicket("req-1", "r1", "prefixmesh", 1, hold=Hold(num_blocks=1, max_wait_s=0.5))
+    first = GenerateRequest("req-1", (1, 2, 3), key, SamplingSettings(max_tokens=4), ticket=decided)
     retry = retry_request(first, 1, ("r1",), {"traceparent": "00-ab-cd-01"})
     assert retry.request_id == "req-1-retry1"
     assert retry.avoid_replicas == ("r1",)
-    assert (retry.hold, retry.routed_by, retry.routed_to) == (None, "", "")
-    assert retry.matched_blocks == 0
+    assert (retry.ticket, retry.hold) == (None, None)
     assert retry.trace_context == {"traceparent": "00-ab-cd-01"}
     assert (retry.prompt_token_ids, retry.key, retry.sampling) == (
         first.prompt_token_ids,

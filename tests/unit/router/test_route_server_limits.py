@@ -75,6 +75,7 @@ def router(monkeypatch: pytest.MonkeyPatch, model: Path) -> Iterator[Router]:
     config = load_config(overrides=overrides)
     handle = _Handle("r1", "r1")
     server = build(monkeypatch, RouterServer, handle, config.model_dump_json(), str(model))
+    handle.local = server._local  # the state the router's request router shares with it
     assert handle.initialized and server._budget_s == 5.0
     encoder = server._front.tokenizer
     fell_back = spy(monkeypatch, server._local.metrics, "fell_back")

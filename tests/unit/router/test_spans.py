@@ -4,6 +4,7 @@ SDK's in-memory exporter: no Ray cluster."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -22,7 +23,7 @@ from prefixmesh.router.spans import (
     route_span,
     router_trace,
 )
-from prefixmesh.wire import GenerateRequest
+from prefixmesh.wire import GenerateRequest, RouteTicket
 from tests.unit.router.test_serve_router import (
     BLOCKS,
     fake_replica,
@@ -30,6 +31,8 @@ from tests.unit.router.test_serve_router import (
     make_router,
     pending,
     request_for,
+    sent,
+    taken,
 )
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -51,17 +54,16 @@ def spans_named(name: str) -> list[dict[str, Any]]:
 def traced_request(blocks: Any = BLOCKS) -> tuple[GenerateRequest, Any]:
     """A request as the ingress sends it: its trace context is the request span's."""
     trace = request_trace({}, "cmpl-1", len(blocks) * 128 + 5, False, 0)
-    request = request_for(blocks)
-    request.trace_context = trace.carrier
+    request = dataclasses.replace(request_for(blocks), trace_context=trace.carrier)
     return request, trace
 
 
 # ---- ingress -------------------------------------------------------------------------------
 
 
-def _generation(request: GenerateRequest) -> Any:
+def _generation(ticket: RouteTicket) -> Any:
     return SimpleNamespace(
-        request=request,
+        ticket=ticket,
         replica_id="r2",
         usage=SimpleNamespace(cached_tokens=256, completion_tokens=7),
         held_s=0.25,
@@ -73,11 +75,10 @@ def test_the_request_span_continues_a_client_traceparent(memory: None) -> None:
     headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "host": "x"}
     trace = request_trace(headers, "cmpl-1", 300, True, 1_000)
     assert trace.carrier is not None and CLIENT_TRACE in trace.carrier["traceparent"]
-    request = request_for(BLOCKS)
-    request.routed_by, request.matched_blocks = "affinity", 4
+    ticket = RouteTicket("cmpl-1", "r1", "affinity", 4)
     trace.retried("before_first_token", ConnectionError())
-    trace.answered(_generation(request), retries=1)
-    trace.end(_generation(request))
+    trace.answered(_generation(ticket), retries=1)
+    trace.end(_generation(ticket))
     trace.end()  # idempotent: a stream's finally ends it again
 
     (span,) = spans_named("prefixmesh.request")
@@ -121,7 +122,8 @@ async def test_route_span_attributes(memory: None) -> None:
     hold_prefix(router, "r2")
     request, trace = traced_request()
     ingress_context = dict(request.trace_context or {})
-    await router.choose_replicas([fake_replica("r1"), fake_replica("r2")], pending(request))
+    call = pending(request)
+    await router.choose_replicas([fake_replica("r1"), fake_replica("r2")], call)
     trace.end()
 
     (route,) = spans_named("prefixmesh.route")
@@ -133,15 +135,19 @@ async def test_route_span_attributes(memory: None) -> None:
     assert attributes["prefixmesh.replica"] == "r2"
     assert attributes["prefixmesh.matched_blocks"] == len(BLOCKS)
     assert attributes["prefixmesh.tier"] == "GPU"
-    assert attributes["prefixmesh.reason"] == request.routed_by != ""
+    ticket = sent(call).ticket
+    assert ticket is not None
+    assert attributes["prefixmesh.reason"] == ticket.reason != ""
     assert attributes["prefixmesh.registry_outcome"] == "ok"
     assert attributes["prefixmesh.registry_lookup_ms"] >= 0
     assert "prefixmesh.fallback_reason" not in attributes
     assert attributes["prefixmesh.hold"] is False
     # The replica's spans become the decision's children; the ingress's is kept for re-routing.
-    assert request.trace_context is not None
-    assert route["span_id"] in request.trace_context["traceparent"]
-    assert request.trace_context[ORIGIN] == ingress_context["traceparent"]
+    context = sent(call).trace_context
+    assert context is not None and context == ticket.trace_context
+    assert route["span_id"] in context["traceparent"]
+    assert context[ORIGIN] == ingress_context["traceparent"]
+    assert request.trace_context == ingress_context  # the caller's request is unchanged
 
 
 async def test_a_cold_prefix_has_no_tier(memory: None) -> None:
@@ -158,8 +164,9 @@ async def test_a_second_decision_for_a_request_is_a_sibling_of_the_first(memory:
     router = make_router()
     request, _ = traced_request()
     replicas = [fake_replica("r1"), fake_replica("r2")]
-    await router.choose_replicas(replicas, pending(request))
-    await router.choose_replicas(replicas, pending(request))  # Serve routes it again
+    call = pending(request)
+    await router.choose_replicas(replicas, call)
+    await router.choose_replicas(replicas, call)  # Serve routes the same pending call again
     first, second = spans_named("prefixmesh.route")
     assert first["parent_span_id"] == second["parent_span_id"]
     assert second["attributes"]["prefixmesh.rerouted"] is True
@@ -175,18 +182,20 @@ async def test_a_routing_error_is_recorded_as_the_fallback(memory: None) -> None
     router._core.decide = broken
     request, _ = traced_request()
     before = dict(request.trace_context or {})
-    ranked = await router.choose_replicas([fake_replica("r1")], pending(request))
+    call = pending(request)
+    ranked = await router.choose_replicas([fake_replica("r1")], call)
     assert ranked[0][0].replica_id.unique_id == "r1"  # power of two
     (route,) = spans_named("prefixmesh.route")
     assert route["status"] == "ERROR"
     assert route["attributes"]["prefixmesh.fallback_reason"] == "error"
-    assert request.trace_context == before  # the replica's spans hang off the request span
+    # The replica gets the request as it was: its spans hang off the request span.
+    assert sent(call) is request and request.trace_context == before
 
 
 async def test_a_retry_names_the_replicas_it_avoids(memory: None) -> None:
     router = make_router()
     request, _ = traced_request()
-    request.avoid_replicas = ("r1",)
+    request = dataclasses.replace(request, avoid_replicas=("r1",))
     await router.choose_replicas([fake_replica("r1"), fake_replica("r2")], pending(request))
     (route,) = spans_named("prefixmesh.route")
     assert route["attributes"]["prefixmesh.avoid_replicas"] == ("r1",)
@@ -239,8 +248,9 @@ async def test_tracing_off_leaves_the_request_alone() -> None:
     tracing.reset()
     router = make_router()
     request = request_for(BLOCKS)
-    await router.choose_replicas([fake_replica("r1")], pending(request))
-    assert request.trace_context is None
+    call = pending(request)
+    await router.choose_replicas([fake_replica("r1")], call)
+    assert sent(call).trace_context is None and request.trace_context is None
     assert tracing.finished_spans() == []
 
 
@@ -253,9 +263,9 @@ async def test_the_routing_call_continues_the_client_and_parents_the_decision(
     # HAProxy forwards the client's traceparent under Serve's session header (local_ray).
     client = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "x-request-id": "h1"}
     trace = router_trace(client, 1_000, truncated=False)
-    request = request_for(BLOCKS)
-    request.trace_context = trace.carrier
-    await make_router().choose_replicas([fake_replica("r1")], pending(request))
+    request = dataclasses.replace(request_for(BLOCKS), trace_context=trace.carrier)
+    router = make_router()
+    await router.choose_replicas([fake_replica("r1")], pending(request))
     trace.chose("r1", request)
     trace.end()
 
@@ -270,8 +280,9 @@ async def test_the_routing_call_continues_the_client_and_parents_the_decision(
         "prefixmesh.prompt_tokens": len(request.prompt_token_ids),
     }
     # What the ticket hands the replica: the decision's context.
-    assert request.trace_context is not None
-    assert route["span_id"] in request.trace_context["traceparent"]
+    ticket = taken(router, request)
+    assert ticket is not None and ticket.trace_context is not None
+    assert route["span_id"] in ticket.trace_context["traceparent"]
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from prefixmesh.cache_registry.types import BlockHash, PrefixKey
-from prefixmesh.wire import HoldInstruction
+from prefixmesh.wire import Hold
 from prefixmesh.wire.route_ticket import TRUSTED_PREFIX, RouteTicket, key_digest
 
 
@@ -17,7 +17,7 @@ def ticket(**changes: object) -> RouteTicket:
         "matched_blocks": 3,
         "key_digest": key_digest(key(1, 2, 3)),
         "arrived_ns": 1_700_000_000_000_000_000,
-        "hold": HoldInstruction(2, 0.25),
+        "hold": Hold(2, 0.25),
         "trace_context": {"traceparent": "00-abc-def-01"},
     }
     fields.update(changes)
@@ -70,3 +70,23 @@ def test_the_digest_is_the_one_routers_and_replicas_computed_before() -> None:
     assert key_digest(key(1, 2, 3, block_size=128)) == "8799e152e5c0cdfa"
     assert key_digest(key()) == "ef46db3751d8e999"
     assert key_digest(key(2**64 - 1, 5)) == "f2b9a4b7f34337cd"
+
+
+def test_the_request_carries_the_decision_as_one_value_and_cannot_be_changed() -> None:
+    """The proxy path's decision rides in ``GenerateRequest.ticket``, pickled with the handle
+    call; nobody writes a decision into a caller's request (it is frozen)."""
+    import dataclasses
+    import pickle
+
+    import pytest
+
+    from prefixmesh.wire import GenerateRequest, SamplingSettings
+
+    bare = GenerateRequest("cmpl-1", (1, 2, 3), key(1), SamplingSettings(4))
+    assert bare.ticket is None and bare.hold is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bare.ticket = ticket()  # type: ignore[misc]
+    routed = dataclasses.replace(bare, ticket=ticket())
+    arrived = pickle.loads(pickle.dumps(routed))
+    assert arrived == routed and arrived.ticket == ticket()
+    assert arrived.hold == Hold(2, 0.25)
