@@ -187,9 +187,11 @@ async def test_a_hung_registry_delays_neither_the_start_nor_the_first_decision(
         "registry.backend=redis",
         f"registry.redis_url=redis://127.0.0.1:{silent_server}/0",
         "registry.lookup_deadline_ms=5",
+        # Connect waits up to 4 op timeouts for a hung server: 40 s, so that a loaded machine
+        # cannot end it before the checks below (at 250 ms it sometimes did).
+        "registry.op_timeout_ms=10000",
     )
-    # The client exists, connecting in the background (connect waits up to 1 s for a hung
-    # server): the router's start awaited nothing.
+    # The client exists, connecting in the background: the router's start awaited nothing.
     connecting = router._core._connecting
     assert router._core.registry is not None
     assert connecting is not None and not connecting.done()
