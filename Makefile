@@ -49,7 +49,8 @@ install-dev: $(BIN)/python
 run: install
 	RAY_worker_niceness=0 $(BIN)/prefixmesh serve $(ARGS)
 
-lint: install-dev
+# Style and types: ruff, then strict mypy over the library (typecheck, below).
+lint: install-dev typecheck
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 

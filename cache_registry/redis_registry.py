@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _EVENT_CODES = {EventKind.STORED: "s", EventKind.REMOVED: "r", EventKind.CLEARED: "c"}
 _FAILURES = (RedisError, OSError, TimeoutError)
+_ScriptArg = str | int
+"""One argument of a Lua script call (Redis sends each as a string)."""
+# Both clients decode replies (``decode_responses=True``): a reply is a ``str``, never the
+# ``bytes`` redis-py's annotations allow, hence the ``cast``s below.
 
 _DEADLINE_MISSES_BEFORE_OUTAGE = 3
 """Missed deadlines in a row that count as an outage (back off, re-check the fingerprint).
@@ -170,7 +174,7 @@ class RedisRegistry:
         key = f"{self._prefix}:fp"
         mine = self.fingerprint.to_json()
         await self._redis.set(key, mine, nx=True)
-        stored = await self._redis.get(key)
+        stored = cast("str | None", await self._redis.get(key))
         if stored is not None and stored != mine:
             mismatch = fingerprint_mismatch(
                 self.endpoint, self._namespace, stored, self.fingerprint
@@ -270,7 +274,7 @@ class RedisRegistry:
         self.stats.lookups += 1
         if not key.block_hashes:
             return {}
-        args = [
+        args: list[_ScriptArg] = [
             self._prefix,
             self._now_ms(),
             "".join(hex_hash(b) for b in key.block_hashes),
@@ -303,10 +307,10 @@ class RedisRegistry:
 
         now_ms = self._now_ms()
 
-        async def run() -> list[Any]:
+        async def run() -> list[list[int]]:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for replica, batch in grouped.items():
-                    args: list[Any] = [self._prefix, replica, self._max_holders, now_ms]
+                    args: list[_ScriptArg] = [self._prefix, replica, self._max_holders, now_ms]
                     for event in batch:
                         tier = -1 if event.tier is None else int(event.tier)
                         args += [
@@ -318,9 +322,10 @@ class RedisRegistry:
                         ]
                         args += [hex_hash(b) for b in event.block_hashes]
                     await self._scripts["PUBLISH"](args=args, client=pipe)
-                return list(await pipe.execute())
+                return list(await pipe.execute())  # each PUBLISH's {applied, dups, gap, reset}
 
-        replies, ok = await self._guarded(run, [], self._publish_timeout_s)
+        none_applied: list[list[int]] = []
+        replies, ok = await self._guarded(run, none_applied, self._publish_timeout_s)
         if not ok:
             self.stats.publish_failures += 1
             return [PublishResult(replica, 0, failed=True) for replica in grouped]
@@ -334,7 +339,7 @@ class RedisRegistry:
             return
         now_ms = self._now_ms()
         ttl_ms = max(1, math.ceil(ttl_s * 1000))
-        args: list[Any] = [self._prefix, replica, now_ms + ttl_ms, ttl_ms, now_ms]
+        args: list[_ScriptArg] = [self._prefix, replica, now_ms + ttl_ms, ttl_ms, now_ms]
         args += [hex_hash(b) for b in key.block_hashes]
         _, ok = await self._guarded(
             lambda: self._scripts["ADD_SPECULATIVE"](args=args), None, self._op_timeout_s
@@ -347,9 +352,16 @@ class RedisRegistry:
     async def claim_inflight(
         self, prefix: BlockHash, replica: ReplicaId, ttl_s: float
     ) -> ReplicaId | None:
-        args = [self._prefix, hex_hash(prefix), replica, max(1, math.ceil(ttl_s * 1000))]
+        args: list[_ScriptArg] = [
+            self._prefix,
+            hex_hash(prefix),
+            replica,
+            max(1, math.ceil(ttl_s * 1000)),
+        ]
         holder, ok = await self._guarded(
-            lambda: self._scripts["CLAIM"](args=args), None, self._op_timeout_s
+            lambda: cast("Awaitable[str | None]", self._scripts["CLAIM"](args=args)),
+            None,
+            self._op_timeout_s,
         )
         if not ok:
             self.stats.other_failures += 1
@@ -357,7 +369,11 @@ class RedisRegistry:
 
     async def inflight(self, prefix: BlockHash) -> ReplicaId | None:
         holder, ok = await self._guarded(
-            lambda: self._redis.get(self._key("if", hex_hash(prefix))), None, self._op_timeout_s
+            lambda: cast(
+                "Awaitable[str | None]", self._redis.get(self._key("if", hex_hash(prefix)))
+            ),
+            None,
+            self._op_timeout_s,
         )
         if not ok:
             self.stats.other_failures += 1
@@ -411,14 +427,14 @@ class RedisRegistry:
                 await asyncio.sleep(self._backoff_max_s)
             finally:
                 with contextlib.suppress(*_FAILURES):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # unannotated in redis-py
 
     # ---- hotness ---------------------------------------------------------------------------
 
     async def touch(self, group: BlockHash, weight: float = 1.0) -> None:
         # Keep a counter for 20 half-lives: by then it has decayed below 1e-6 of its value.
         ttl_ms = math.ceil(self._half_life_s * 20 * 1000)
-        args = [
+        args: list[_ScriptArg] = [
             self._prefix,
             hex_hash(group),
             repr(float(weight)),
@@ -433,16 +449,21 @@ class RedisRegistry:
             self.stats.other_failures += 1
 
     async def rate(self, group: BlockHash) -> float:
+        nothing: list[str | None] = [None, None]
         fields, ok = await self._guarded(
-            lambda: self._redis.hmget(self._key("hot", hex_hash(group)), ["v", "t"]),
-            [None, None],
+            lambda: cast(
+                "Awaitable[list[str | None]]",
+                self._redis.hmget(self._key("hot", hex_hash(group)), ["v", "t"]),
+            ),
+            nothing,
             self._op_timeout_s,
         )
         if not ok:
             self.stats.other_failures += 1
-        if fields[0] is None:
+        value, stamp = fields
+        if value is None or stamp is None:  # TOUCH sets both fields at once: both or neither
             return 0.0
-        count = DecayedCount(float(fields[0]), float(fields[1]))
+        count = DecayedCount(float(value), float(stamp))
         return rate_per_s(count, self._clock(), self._half_life_s)
 
     # ---- membership ------------------------------------------------------------------------
@@ -458,7 +479,7 @@ class RedisRegistry:
             self.stats.other_failures += 1
 
     async def heartbeat(self, replica: ReplicaId, epoch: int, seq: int) -> bool | None:
-        args = [self._prefix, replica, epoch, seq, self._now_ms()]
+        args: list[_ScriptArg] = [self._prefix, replica, epoch, seq, self._now_ms()]
         matched, ok = await self._guarded(
             lambda: self._scripts["HEARTBEAT"](args=args), 0, self._op_timeout_s
         )
@@ -481,7 +502,10 @@ class RedisRegistry:
         return [ReplicaId(n) for n in names]
 
     async def known_replicas(self) -> set[ReplicaId]:
+        nobody: list[str] = []
         names, _ok = await self._guarded(
-            lambda: self._redis.hkeys(f"{self._prefix}:seq"), [], self._op_timeout_s
+            lambda: cast("Awaitable[list[str]]", self._redis.hkeys(f"{self._prefix}:seq")),
+            nobody,
+            self._op_timeout_s,
         )
         return {ReplicaId(n) for n in names}

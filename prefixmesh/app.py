@@ -12,10 +12,15 @@ This module and the CLI are the two that may import every package.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixmesh.config import PrefixmeshConfig, load_config, merge_overrides, process_json
 from prefixmesh.replica.demo_model import resolve_model_path
+
+if TYPE_CHECKING:
+    from prefixmesh.replica.deployment import ReplicaServer
+    from prefixmesh.router.ingress import IngressServer
+    from prefixmesh.router.route_server import RouterServer
 
 INGRESS_NAME = "Ingress"
 ROUTER_NAME = "Router"
@@ -56,6 +61,8 @@ def build_app(config: PrefixmeshConfig) -> Any:
     from ray.serve.config import RequestRouterConfig
 
     direct = config.serving.path == "direct"
+    replica_class: type[ReplicaServer]
+    front_class: type[RouterServer | IngressServer]
     if direct:
         from prefixmesh.replica.openai_server import ReplicaHTTPServer as replica_class
         from prefixmesh.router.route_server import RouterServer as front_class
@@ -88,8 +95,8 @@ def build_app(config: PrefixmeshConfig) -> Any:
             "placement_group_strategy": "STRICT_PACK",
         }
         replica_actor.pop("num_gpus")
+    # Ray annotates only the decorator form, ``serve.deployment(**options)(cls)``.
     replicas = serve.deployment(
-        replica_class,
         name=REPLICA_NAME,
         num_replicas=replica.num_replicas,
         max_ongoing_requests=replica.max_ongoing_requests,
@@ -101,23 +108,23 @@ def build_app(config: PrefixmeshConfig) -> Any:
                 if config.routing.serve_request_router == "prefixmesh"
                 else {}
             ),
-            request_routing_stats_period_s=replica.routing_stats_period_s,
-            request_routing_stats_timeout_s=max(1.0, replica.routing_stats_period_s),
+            # Ray annotates the constructor's ``**kwargs: dict[str, Any]`` (each value a dict).
+            request_routing_stats_period_s=replica.routing_stats_period_s,  # type: ignore[arg-type]
+            request_routing_stats_timeout_s=max(1.0, replica.routing_stats_period_s),  # type: ignore[arg-type]
         ),
         health_check_period_s=5.0,
         health_check_timeout_s=replica.health_check_timeout_s,
         graceful_shutdown_timeout_s=20.0,
         **placement,
-    )
+    )(replica_class)
     front = serve.deployment(
-        front_class,
         name=front_name,
         num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
         # A dead router stays in HAProxy's router pool until Serve's health check notices.
         health_check_period_s=config.ingress.health_check_period_s,
-    )
+    )(front_class)
     bound_replicas = replicas.bind(config_json, model_path, front_name)
     bound_front = front.bind(bound_replicas, config_json, model_path)
     if direct:

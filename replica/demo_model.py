@@ -84,7 +84,7 @@ def _train_tokenizer(out: Path, files: list[Path]) -> None:
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)]
     )
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # unannotated __init__
         tokenizer_object=tokenizer,
         bos_token=SPECIAL_TOKENS[0],
         eos_token=SPECIAL_TOKENS[1],
@@ -99,7 +99,8 @@ def _write_model(out: Path, shape: LlamaShape, seed: int) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    # ``torch_dtype``: PreTrainedConfig takes it from **kwargs; LlamaConfig's signature omits it.
+    config = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=VOCAB_SIZE,
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=0,
@@ -110,7 +111,9 @@ def _write_model(out: Path, shape: LlamaShape, seed: int) -> int:
         **asdict(shape),
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    # An unannotated __init__; ``to`` is a ``functools.wraps`` wrapper, which typeshed does not
+    # bind as a method (it takes the dtype for ``self``).
+    model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[no-untyped-call,arg-type]
     model.save_pretrained(str(out), safe_serialization=True)
     return sum(p.numel() for p in model.parameters())
 

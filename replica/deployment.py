@@ -14,7 +14,7 @@ import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixmesh import tracing
 from prefixmesh.cache_registry.factory import make_hasher, make_registry
@@ -51,6 +51,9 @@ from prefixmesh.wire import (
     ReplicaReport,
 )
 from prefixmesh.wire.request_progress import RequestProgress
+
+if TYPE_CHECKING:
+    from ray.serve.schema import ReplicaRank
 
 logger = logging.getLogger(__name__)
 FINISHED_IDS_KEPT = 1024
@@ -417,7 +420,8 @@ class ReplicaServer(ReplicaCore):
         tracing.setup(config.telemetry, "replica")
         context = serve.get_replica_context()
         replica_id = ReplicaId(context.replica_id.unique_id)
-        rank = context.rank.rank if hasattr(context.rank, "rank") else int(context.rank)
+        rank_of: ReplicaRank | int = context.rank  # an int before Ray had ReplicaRank
+        rank = rank_of.rank if hasattr(rank_of, "rank") else int(rank_of)
         registry: CacheRegistry | None = None
         target: EventTarget
         progress: ProgressReporter | None = None

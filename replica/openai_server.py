@@ -93,7 +93,8 @@ class ReplicaHTTPServer(ReplicaServer):
     _keys: ApiKeys | None = None
     _quotas: TenantQuotas | None = None
 
-    async def __init__(self, config_json: str, model_path: str, router_name: str) -> None:
+    # Serve awaits an async constructor (mypy wants ``__init__`` to return None).
+    async def __init__(self, config_json: str, model_path: str, router_name: str) -> None:  # type: ignore[misc]
         from transformers import AutoTokenizer
 
         await super().__init__(config_json, model_path, router_name)

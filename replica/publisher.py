@@ -213,16 +213,14 @@ class EventPublisher:
         self._next_seq = 0
         residency = self._residency()
         lower = [(tier, blocks) for tier, blocks in residency.tiers if tier is not Tier.GPU]
-        self._pending = [
-            self._event(EventKind.STORED, tier, blocks)
-            for tier, blocks in [(Tier.GPU, residency.blocks(Tier.GPU)), *lower]
-        ]
+        snapshot = [(Tier.GPU, residency.blocks(Tier.GPU)), *lower]
+        self._pending = [self._event(EventKind.STORED, tier, blocks) for tier, blocks in snapshot]
         self._resync_needed = False
         self.resyncs += 1
         logger.info(
             "replica %s resyncs the registry (%s)",
             self.replica_id,
-            ", ".join(f"{len(e.block_hashes)} {e.tier.name} blocks" for e in self._pending),
+            ", ".join(f"{len(blocks)} {tier.name} blocks" for tier, blocks in snapshot),
         )
 
     async def flush(self) -> None:

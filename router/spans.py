@@ -257,7 +257,7 @@ def route_span(request: GenerateRequest | None) -> AbstractContextManager[NoRout
 
 
 @contextmanager
-def _route_span(request: GenerateRequest, carrier: dict[str, str]) -> Iterator[NoRouteTrace]:
+def _route_span(request: GenerateRequest, carrier: Mapping[str, str]) -> Iterator[NoRouteTrace]:
     origin = carrier.get(ORIGIN) or carrier.get(_TRACEPARENT, "")
     span = tracing.tracer().start_span(
         "prefixmesh.route", context=tracing.extract({_TRACEPARENT: origin})

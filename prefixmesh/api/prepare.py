@@ -115,7 +115,9 @@ class FrontDoor:
     def parse(self, raw: bytes, chat: bool) -> OpenAIRequest:
         """The validated body, of a served model, within the limits checked before
         tokenizing."""
-        body: OpenAIRequest = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
+        body: OpenAIRequest = (
+            parse_body(raw, ChatCompletionRequest) if chat else parse_body(raw, CompletionRequest)
+        )
         check_model(body.model, self.model, self.server)
         self.limits.admit(body)
         return body

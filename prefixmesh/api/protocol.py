@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -168,7 +168,10 @@ def _not_text(value: Any) -> bool:
     return False
 
 
-def parse_body(raw: bytes, model: type[_Request]) -> Any:
+RequestT = TypeVar("RequestT", bound=_Sampling)
+
+
+def parse_body(raw: bytes, model: type[RequestT]) -> RequestT:
     """JSON bytes -> a validated request, or an ``APIError`` (400 or 422)."""
     data = loads(raw)
     if not isinstance(data, dict):

@@ -14,6 +14,7 @@ hasher made it; a claim the router took never travels (its ledger releases it).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prefixmesh.cache_registry.types import PrefixKey
@@ -49,7 +50,7 @@ class GenerateRequest:
     avoid_replicas: tuple[str, ...] = ()
     """Replicas a retry must not go back to (they failed this request); the request router
     ignores it when it would leave no candidate."""
-    trace_context: dict[str, str] | None = None
+    trace_context: Mapping[str, str] | None = None
     """W3C trace context (``traceparent``, ``tracestate``) of the span the next hop's spans are
     children of: the ingress sets its request span's, the request router's copy for the
     replica carries its routing decision's instead, the replica parents its spans on it. It

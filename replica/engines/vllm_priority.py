@@ -23,7 +23,7 @@ scheduler vLLM would have used (the asynchronous one where async scheduling is o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -69,7 +69,7 @@ class _InPriorityOrder:
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         saved = _schedule_in_priority_order(self)  # type: ignore[arg-type]
         try:
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+            return cast(SchedulerOutput, super().schedule(*args, **kwargs))  # type: ignore[misc]
         finally:
             _restore(saved)
 

@@ -430,7 +430,7 @@ class PrefixmeshPolicy:
         )
         decode_step_s = fixed_step_s + running * self.model.running_cost * token_s
         budget = capacity.max_batch_tokens
-        chunk = budget - running
+        chunk: float = budget - running
         if self.config.min_prefill_share * budget > chunk:
             chunk = self.config.min_prefill_share * budget
         if chunk < 1.0:

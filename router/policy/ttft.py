@@ -528,7 +528,7 @@ class _ReplicaTerms:
             decode_step_s = capacity.decode_step_s + running * running_cost * token_s
             if capacity.kv_read_s_per_block:
                 decode_step_s += snapshot.active_kv_blocks * capacity.kv_read_s_per_block
-            chunk = budget - running
+            chunk: float = budget - running
             if chunk < min_share * budget:
                 chunk = min_share * budget
             per_token = decode_step_s / chunk
