@@ -134,7 +134,7 @@ def rate_for_load(args: argparse.Namespace, config: PrefixmeshConfig) -> tuple[f
     from prefixmesh.loadtest.keys import KeyBuilder
     from prefixmesh.loadtest.oracle import fleet_capacity, offered_work_s, oracle_hits, work_model
     from prefixmesh.loadtest.plan import build_plan
-    from prefixmesh.replica.model.profile import get_profile
+    from prefixmesh.replica.sim_model.profile import get_profile
 
     sim = config.replica.sim
     profile = get_profile(sim.profile)

@@ -57,12 +57,12 @@ def build_app(config: PrefixmeshConfig) -> Any:
 
     direct = config.serving.path == "direct"
     if direct:
-        from prefixmesh.replica.openai_server import ReplicaHTTPServer as replica_class
+        from prefixmesh.replica.serving.openai_server import ReplicaHTTPServer as replica_class
         from prefixmesh.router.route_server import RouterServer as front_class
 
         front_name = ROUTER_NAME
     else:
-        from prefixmesh.replica.deployment import ReplicaServer as replica_class
+        from prefixmesh.replica.serving.deployment import ReplicaServer as replica_class
         from prefixmesh.router.ingress import IngressServer as front_class
 
         front_name = INGRESS_NAME

@@ -1,5 +1,5 @@
-"""Delay-hit holds, the router's side: the one module for them (``replica/holds.py`` is the
-replica's, which waits them out).
+"""Delay-hit holds, the router's side: the one module for them (``replica/admission/holds.py`` is
+the replica's, which waits them out).
 
 A hold normally comes from the policy (``PrefixmeshPolicy``), which sees the speculative entry
 a router wrote when it sent a prefix to be computed and weighs waiting for it against the

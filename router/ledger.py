@@ -8,7 +8,7 @@ it at its end. Pure; the caller serialises access.
 
 On the direct path requests reach replicas past Serve's handle, so no first-token or end
 callback arrives. With the in-process registry the replicas send them instead
-(``progressed``, ``replica/progress.py``), within a publish interval. Otherwise the replicas'
+(``progressed``, ``replica/events/progress.py``), within a publish interval. Otherwise the replicas'
 reports list the request ids they have seen
 (``seen_requests``), and ``seen`` drops those entries (their load is in the report from then on,
 their claim released), so the ledger holds what no report has listed yet and the router adds it

@@ -16,8 +16,8 @@ HAProxy sends the router only the client's body and a few named headers, not ``t
 one of them is Serve's session header, whose name ``local_ray.haproxy_environment`` sets to
 ``traceparent``, so the router's span continues the client's trace. Where HAProxy was set up
 without it, the replica sees both traces and continues the client's, linking the router's
-decision (``replica/spans.py``). With tracing off the factories return shared objects that do
-nothing and nothing else runs (no attribute dicts are built).
+decision (``replica/serving/spans.py``). With tracing off the factories return shared objects that
+do nothing and nothing else runs (no attribute dicts are built).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from prefixmesh.cache_registry.redis_server import LocalRedisServer
 from prefixmesh.cache_registry.types import EventKind, PrefixKey, ReplicaId, Tier
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.replica.engines.base import BlockChange, Residency
-from prefixmesh.replica.publisher import EventPublisher
+from prefixmesh.replica.events.publisher import EventPublisher
 
 _NAMESPACE = "freshness"
 

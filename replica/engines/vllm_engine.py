@@ -29,7 +29,7 @@ from prefixmesh.replica.engines.base import (
     TokenIntervals,
 )
 from prefixmesh.replica.engines.calibration import CALIBRATION_RUNS, CalibrationRun, fastest
-from prefixmesh.replica.kv_events import VllmEventStream, VllmEventTranslator
+from prefixmesh.replica.events.kv_events import VllmEventStream, VllmEventTranslator
 from prefixmesh.replica.kvcache.waiting_channel import NoticeSender
 from prefixmesh.wire import ReplicaCapacity
 

@@ -13,7 +13,7 @@ from prefixmesh.config import (
     load_config,
     parse_override,
 )
-from prefixmesh.replica.model.profile import get_profile
+from prefixmesh.replica.sim_model.profile import get_profile
 
 
 def test_defaults_need_no_file(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,7 @@ import pytest
 from prefixmesh import tracing
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.config import TelemetryConfig
-from prefixmesh.replica.spans import replica_trace, trace_parent
+from prefixmesh.replica.serving.spans import replica_trace, trace_parent
 from prefixmesh.router.local_state import LocalRouterState
 from prefixmesh.router.route_server import RouterServer
 from prefixmesh.router.spans import route_span

@@ -16,7 +16,7 @@ from prefixmesh.cache_registry.redis_server import LocalRedisServer
 from prefixmesh.cache_registry.types import EventKind, ReplicaId, Tier
 from prefixmesh.config import RegistryConfig
 from prefixmesh.replica.engines.base import BlockChange, Residency
-from prefixmesh.replica.publisher import EventPublisher
+from prefixmesh.replica.events.publisher import EventPublisher
 from tests.integration.cache_registry.conftest import HASHER
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

@@ -40,7 +40,7 @@ def live_replica_server() -> Iterator[Callable[..., LiveServer]]:
     """Start replica servers (sim) with uvicorn on threads; stopped after the test."""
     import uvicorn
 
-    from prefixmesh.replica.standalone_server import build_app, make_service
+    from prefixmesh.replica.serving.standalone_server import build_app, make_service
 
     started: list[tuple[uvicorn.Server, threading.Thread]] = []
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from prefixmesh.replica.coalesce import coalesced, merge_chunks
+from prefixmesh.replica.admission.coalesce import coalesced, merge_chunks
 from prefixmesh.replica.engines.base import EngineChunk
 
 

@@ -17,8 +17,8 @@ from prefixmesh.replica.kvcache.policy import (
     make_tier_policy,
 )
 from prefixmesh.replica.kvcache.policy.base import chain_refs
-from prefixmesh.replica.model.cpu_tier import CpuTier
-from prefixmesh.replica.model.prefix_cache import CacheChange, PrefixCache
+from prefixmesh.replica.sim_model.cpu_tier import CpuTier
+from prefixmesh.replica.sim_model.prefix_cache import CacheChange, PrefixCache
 
 
 def h(*values: int) -> list[BlockHash]:

@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 
 from prefixmesh.cache_registry.types import BlockHash, EventKind, PrefixKey, Tier
-from prefixmesh.replica.model.engine import EngineModel
-from prefixmesh.replica.model.prefix_cache import CacheChange, SharedTier
-from prefixmesh.replica.model.profile import EngineProfile
-from prefixmesh.replica.model.records import (
+from prefixmesh.replica.sim_model.engine import EngineModel
+from prefixmesh.replica.sim_model.prefix_cache import CacheChange, SharedTier
+from prefixmesh.replica.sim_model.profile import EngineProfile
+from prefixmesh.replica.sim_model.records import (
     CacheChanged,
     EngineEvent,
     Finished,

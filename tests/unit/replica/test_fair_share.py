@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-from prefixmesh.replica.fair_gate import FairGate, FairStart
-from prefixmesh.replica.fair_share import TAG_SPAN, FairQueue, FairTicket, engine_priority
+from prefixmesh.replica.admission.fair_gate import FairGate, FairStart
+from prefixmesh.replica.admission.fair_share import TAG_SPAN, FairQueue, FairTicket, engine_priority
 
 
 def ticket(request_id: str, tenant: str, work: int = 100, priority: int = 0) -> FairTicket:

@@ -13,7 +13,6 @@ import pytest
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.cache_registry.memory import InMemoryRegistry
 from prefixmesh.cache_registry.types import EventKind, ReplicaId, Tier
-from prefixmesh.replica.deployment import ReplicaCore
 from prefixmesh.replica.engines.base import BlockChange, EngineLoad, Residency
 from prefixmesh.replica.engines.remote_engine import (
     RemoteEngine,
@@ -21,7 +20,8 @@ from prefixmesh.replica.engines.remote_engine import (
     encode_load,
 )
 from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
-from prefixmesh.replica.publisher import EventPublisher
+from prefixmesh.replica.events.publisher import EventPublisher
+from prefixmesh.replica.serving.deployment import ReplicaCore
 from tests.unit.replica.conftest import eventually, sim_config
 
 R = ReplicaId("replica-a")
@@ -149,7 +149,7 @@ async def test_health_through_the_front_door_says_why_the_registry_is_degraded()
     """On the direct path ``GET /health`` reaches a replica: it reports what its own registry
     client saw (here another cluster's fingerprint), not a blind "ok"."""
     from prefixmesh.cache_registry.redis_registry import RedisRegistry
-    from prefixmesh.replica.openai_server import ReplicaHTTPServer
+    from prefixmesh.replica.serving.openai_server import ReplicaHTTPServer
 
     replica = SimpleNamespace(_registry=None)  # what the endpoint uses of a replica
     replica.registry_health = lambda: ReplicaCore.registry_health(replica)  # type: ignore[arg-type]

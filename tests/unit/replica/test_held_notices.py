@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from prefixmesh.replica.deployment import ReplicaCore
-from prefixmesh.replica.fair_gate import FairGate
-from prefixmesh.replica.fair_share import FairQueue, FairTicket
+from prefixmesh.replica.admission.fair_gate import FairGate
+from prefixmesh.replica.admission.fair_share import FairQueue, FairTicket
+from prefixmesh.replica.serving.deployment import ReplicaCore
 from prefixmesh.wire import Hold
 from tests.unit.replica.test_spans import KEY, _drain, _Engine, _request, _server
 

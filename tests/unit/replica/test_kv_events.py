@@ -9,7 +9,7 @@ import pytest
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import EventKind, Tier
 from prefixmesh.replica.engines.base import Residency
-from prefixmesh.replica.kv_events import VllmEventStream, VllmEventTranslator
+from prefixmesh.replica.events.kv_events import VllmEventStream, VllmEventTranslator
 
 HASHER = BlockHasher(4, "m")
 TOKENS = list(range(16))

@@ -12,7 +12,7 @@ from prefixmesh.api.protocol import ChatCompletionRequest, ChatMessage, Completi
 from prefixmesh.api.request_metrics import DirectMetrics
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import ReplicaId
-from prefixmesh.replica.openai_server import ReplicaHTTPServer
+from prefixmesh.replica.serving.openai_server import ReplicaHTTPServer
 from prefixmesh.wire import GenerateRequest, Hold, SamplingSettings
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 from tests.unit.router.test_metrics import samples

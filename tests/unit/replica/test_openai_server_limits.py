@@ -22,8 +22,8 @@ from prefixmesh.api.prompts import PromptEncoder
 from prefixmesh.api.request_metrics import DirectMetrics
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.config import load_config
-from prefixmesh.replica import openai_server
-from prefixmesh.replica.openai_server import ReplicaHTTPServer
+from prefixmesh.replica.serving import openai_server
+from prefixmesh.replica.serving.openai_server import ReplicaHTTPServer
 from prefixmesh.wire import GenerateChunk, GenerateRequest
 from tests.fakes.serve_ingress import bind, fast_tokenizer, spy
 from tests.unit.api.test_errors import openai_error

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefixmesh.cache_registry.types import BlockHash, CacheEvent, EventKind, ReplicaId, Tier
-from prefixmesh.replica.model.prefix_cache import (
+from prefixmesh.replica.sim_model.prefix_cache import (
     CacheChange,
     PrefixCache,
     PrefixMatch,

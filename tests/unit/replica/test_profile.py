@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from prefixmesh.replica.model.profile import (
+from prefixmesh.replica.sim_model.profile import (
     CPU_SMALL,
     H100_LLAMA8B,
     EngineProfile,

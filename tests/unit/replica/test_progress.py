@@ -4,8 +4,8 @@ import asyncio
 
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import load_config
-from prefixmesh.replica import progress as progress_module
-from prefixmesh.replica.progress import ProgressReporter
+from prefixmesh.replica.events import progress as progress_module
+from prefixmesh.replica.events.progress import ProgressReporter
 from prefixmesh.wire.request_progress import RequestProgress
 
 R = ReplicaId("r1")

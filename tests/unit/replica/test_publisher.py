@@ -14,7 +14,7 @@ from prefixmesh.cache_registry.types import (
     Tier,
 )
 from prefixmesh.replica.engines.base import BlockChange, Residency
-from prefixmesh.replica.publisher import EventPublisher
+from prefixmesh.replica.events.publisher import EventPublisher
 
 R = ReplicaId("r")
 KEY = BlockHasher(2, "m").hash_tokens(list(range(8)))

@@ -11,9 +11,9 @@ import pytest
 
 from prefixmesh.cache_registry.types import BlockHash, EventKind, PrefixKey, ReplicaId, Tier
 from prefixmesh.config import load_config
-from prefixmesh.replica.deployment import ReplicaCore
+from prefixmesh.replica.admission.holds import HoldSettings, ReplicaHolds
 from prefixmesh.replica.engines.base import BlockChange, EngineLoad
-from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
+from prefixmesh.replica.serving.deployment import ReplicaCore
 from prefixmesh.wire import GenerateRequest, ReplicaCapacity, ReplicaReport, SamplingSettings
 
 CAPACITY = ReplicaCapacity(

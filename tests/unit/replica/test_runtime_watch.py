@@ -6,7 +6,7 @@ import gc
 from prefixmesh.metrics.runtime import RuntimeMetrics
 from prefixmesh.metrics.sink import PrometheusSink
 from prefixmesh.replica.engines.base import TokenIntervals
-from prefixmesh.replica.runtime_watch import RuntimeWatch
+from prefixmesh.replica.serving.runtime_watch import RuntimeWatch
 
 
 class _Engine:

@@ -19,9 +19,9 @@ from prefixmesh.cache_registry.types import (
     Tier,
 )
 from prefixmesh.replica.engines.base import BlockChange
+from prefixmesh.replica.events.publisher import EventPublisher
+from prefixmesh.replica.events.shared_tier import SharedTierPublisher, listing_changes
 from prefixmesh.replica.kvcache.folders import block_path
-from prefixmesh.replica.publisher import EventPublisher
-from prefixmesh.replica.shared_tier import SharedTierPublisher, listing_changes
 
 B = BlockHash
 

@@ -12,11 +12,11 @@ import pytest
 from prefixmesh import tracing
 from prefixmesh.cache_registry.types import BlockHash, PrefixKey, ReplicaId
 from prefixmesh.config import TelemetryConfig
-from prefixmesh.replica.deployment import ReplicaCore
+from prefixmesh.replica.admission.fair_gate import FairGate
+from prefixmesh.replica.admission.holds import HoldSettings, ReplicaHolds
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
-from prefixmesh.replica.fair_gate import FairGate
-from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
-from prefixmesh.replica.spans import LINKED, NO_TRACE, replica_trace, trace_parent
+from prefixmesh.replica.serving.deployment import ReplicaCore
+from prefixmesh.replica.serving.spans import LINKED, NO_TRACE, replica_trace, trace_parent
 from prefixmesh.wire import GenerateRequest, Hold, ReplicaCapacity, RouteTicket, SamplingSettings
 from tests.unit.replica.conftest import sim_config
 

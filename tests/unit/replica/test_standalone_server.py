@@ -19,8 +19,8 @@ from prefixmesh.loadtest.compare_report import parse_counters, replica_ttft_p50
 from prefixmesh.loadtest.keys import Segment
 from prefixmesh.loadtest.prompts import PromptRenderer
 from prefixmesh.loadtest.report import prefix_cache_counters
-from prefixmesh.replica.engine_server import TTFT_BUCKETS_S
-from prefixmesh.replica.standalone_server import (
+from prefixmesh.replica.serving.engine_server import TTFT_BUCKETS_S
+from prefixmesh.replica.serving.standalone_server import (
     ReplicaService,
     build_app,
     make_service,

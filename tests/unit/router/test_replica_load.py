@@ -12,7 +12,7 @@ from prefixmesh.cache_registry.factory import make_memory_state
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import load_config
 from prefixmesh.loadtest.fleet import SimReplica, report
-from prefixmesh.replica.model.profile import H100_LLAMA8B
+from prefixmesh.replica.sim_model.profile import H100_LLAMA8B
 from prefixmesh.router.ledger import OVERTAKEN_S, LedgerLoad
 from prefixmesh.router.local_state import LocalRouterState
 from prefixmesh.router.policy.base import ReplicaSnapshot

@@ -37,7 +37,7 @@ from itertools import islice, takewhile
 from prefixmesh.cache_registry.types import BlockHash, CacheEvent, EventKind, ReplicaId, Tier
 from prefixmesh.replica.kvcache.policy import TierPolicy
 from prefixmesh.replica.kvcache.policy.base import BlockRef, chain_refs
-from prefixmesh.replica.model.cpu_tier import CpuTier
+from prefixmesh.replica.sim_model.cpu_tier import CpuTier
 
 
 @dataclass(frozen=True, slots=True)

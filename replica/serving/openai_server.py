@@ -55,8 +55,8 @@ from prefixmesh.api.render import (
 )
 from prefixmesh.api.request_metrics import DirectMetrics
 from prefixmesh.cache_registry.factory import make_hasher
-from prefixmesh.replica.deployment import ReplicaServer
-from prefixmesh.replica.spans import trace_parent
+from prefixmesh.replica.serving.deployment import ReplicaServer
+from prefixmesh.replica.serving.spans import trace_parent
 from prefixmesh.wire import GenerateChunk, GenerateRequest
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 

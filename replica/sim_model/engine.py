@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.replica.kvcache.policy import TierPolicy
-from prefixmesh.replica.model.prefix_cache import PrefixCache, SharedTier
-from prefixmesh.replica.model.profile import EngineProfile
-from prefixmesh.replica.model.records import (
+from prefixmesh.replica.sim_model.prefix_cache import PrefixCache, SharedTier
+from prefixmesh.replica.sim_model.profile import EngineProfile
+from prefixmesh.replica.sim_model.records import (
     CacheChanged,
     EngineEvent,
     Finished,

@@ -37,7 +37,7 @@ from prefixmesh.replica.engines.remote_engine import (
     encode_load,
     encode_residency,
 )
-from prefixmesh.replica.runtime_watch import RuntimeWatch
+from prefixmesh.replica.serving.runtime_watch import RuntimeWatch
 
 LOAD_INTERVAL_S = 0.25
 """How often the cache-event stream carries the engine's load when nothing else happens."""

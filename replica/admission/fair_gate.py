@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefixmesh.config import FairShareConfig
-from prefixmesh.replica.fair_share import FairQueue, FairTicket
+from prefixmesh.replica.admission.fair_share import FairQueue, FairTicket
 
 
 @dataclass(frozen=True, slots=True)

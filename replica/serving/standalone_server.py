@@ -8,7 +8,8 @@ and ours in front of them in turn). Each serves the OpenAI API (completions and 
 ``cache_aware`` calls one of them on every worker for every request), SGLang's
 ``/get_server_info``, ``/get_model_info``, ``/get_load`` and ``/flush_cache``;
 ``/reset_prefix_cache`` clears the cache between runs. ``/engine/*`` is the remote engine's
-native protocol (``replica/engine_server.py``), through which Ray Serve replicas forward here.
+native protocol (``replica/serving/engine_server.py``), through which Ray Serve replicas forward
+here.
 
 The engine is the replica's own (``replica/engines/``: sim or vLLM, built by the replica
 deployment's ``make_engine``); the request is prepared by the front door every server uses
@@ -46,8 +47,8 @@ from prefixmesh.api.render import REPLICA_HEADER, collect, full_body, model_list
 from prefixmesh.api.word_vocabulary import Vocabulary, fast_encode, word_lookup
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.config import PrefixmeshConfig, load_config
-from prefixmesh.replica.engine_server import EngineHost, engine_routes
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
+from prefixmesh.replica.serving.engine_server import EngineHost, engine_routes
 from prefixmesh.wire import GenerateChunk
 
 logger = logging.getLogger(__name__)
@@ -364,7 +365,7 @@ def make_service(config: PrefixmeshConfig, replica_id: str, rank: int = 0) -> Re
     from transformers import AutoTokenizer
 
     from prefixmesh.replica.demo_model import resolve_model_path
-    from prefixmesh.replica.deployment import make_engine
+    from prefixmesh.replica.serving.deployment import make_engine
 
     engine_kind = config.replica.engine
     if engine_kind not in ("sim", "vllm"):

@@ -25,7 +25,10 @@ from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.metrics.ray_sink import serve_replica_sink
 from prefixmesh.metrics.runtime import RuntimeMetrics
 from prefixmesh.metrics.sink import PrometheusSink, Tee
-from prefixmesh.replica.coalesce import coalesced
+from prefixmesh.replica.admission.coalesce import coalesced
+from prefixmesh.replica.admission.fair_gate import FairGate
+from prefixmesh.replica.admission.fair_share import FairTicket
+from prefixmesh.replica.admission.holds import HoldSettings, ReplicaHolds
 from prefixmesh.replica.engines.base import (
     BlockChange,
     CacheChangeSink,
@@ -34,15 +37,12 @@ from prefixmesh.replica.engines.base import (
     HeldMirror,
     Residency,
 )
-from prefixmesh.replica.fair_gate import FairGate
-from prefixmesh.replica.fair_share import FairTicket
-from prefixmesh.replica.holds import HoldSettings, ReplicaHolds
+from prefixmesh.replica.events.progress import ProgressReporter
+from prefixmesh.replica.events.publisher import EventPublisher, EventTarget
+from prefixmesh.replica.events.shared_tier import SharedTierPublisher
 from prefixmesh.replica.kvcache.folders import cache_folder, rank_folder
-from prefixmesh.replica.progress import ProgressReporter
-from prefixmesh.replica.publisher import EventPublisher, EventTarget
-from prefixmesh.replica.runtime_watch import RuntimeWatch
-from prefixmesh.replica.shared_tier import SharedTierPublisher
-from prefixmesh.replica.spans import replica_trace
+from prefixmesh.replica.serving.runtime_watch import RuntimeWatch
+from prefixmesh.replica.serving.spans import replica_trace
 from prefixmesh.wire import (
     GenerateChunk,
     GenerateRequest,
@@ -144,7 +144,7 @@ def make_engine(
             sink,
         )
     from prefixmesh.replica.engines.sim_engine import SimEngine
-    from prefixmesh.replica.model.profile import get_profile
+    from prefixmesh.replica.sim_model.profile import get_profile
 
     sim = config.replica.sim
     profile = get_profile(sim.profile)

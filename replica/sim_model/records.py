@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefixmesh.cache_registry.types import PrefixKey
-from prefixmesh.replica.model.prefix_cache import CacheChange
+from prefixmesh.replica.sim_model.prefix_cache import CacheChange
 
 
 @dataclass(frozen=True, slots=True)

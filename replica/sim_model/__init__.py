@@ -1,4 +1,5 @@
-"""A replica's engine as a model: step timing, a block cache and continuous batching.
+"""The simulated engine's model (not the LLM, which is ``replica/demo_model.py``): step timing,
+a block cache and continuous batching.
 
 Pure (no I/O, no real time, no asyncio): the cluster simulator (loadtest/) drives it with a
 simulated clock, and the real-time ``sim`` engine drives it with wall-clock ``now_s``.
@@ -6,9 +7,14 @@ simulated clock, and the real-time ``sim`` engine drives it with wall-clock ``no
 
 from __future__ import annotations
 
-from prefixmesh.replica.model.engine import EngineModel
-from prefixmesh.replica.model.prefix_cache import CacheChange, PrefixCache, PrefixMatch, to_events
-from prefixmesh.replica.model.profile import (
+from prefixmesh.replica.sim_model.engine import EngineModel
+from prefixmesh.replica.sim_model.prefix_cache import (
+    CacheChange,
+    PrefixCache,
+    PrefixMatch,
+    to_events,
+)
+from prefixmesh.replica.sim_model.profile import (
     CPU_SMALL,
     DEFAULT_PROFILE,
     H100_LLAMA8B,
@@ -17,7 +23,7 @@ from prefixmesh.replica.model.profile import (
     get_profile,
     with_cpu_tier,
 )
-from prefixmesh.replica.model.records import (
+from prefixmesh.replica.sim_model.records import (
     CacheChanged,
     EngineEvent,
     Finished,

@@ -28,7 +28,7 @@ burst of two or three requests alternates with a saturating tenant's backlog (VT
 share) and its last request waits twice as long as alone; with it the burst goes ahead, while a
 tenant that never goes idle banks nothing.
 
-Pure: no clock, no I/O. ``replica/fair_gate.py`` puts it in front of the engine.
+Pure: no clock, no I/O. ``replica/admission/fair_gate.py`` puts it in front of the engine.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from typing import IO
 
 from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
 from prefixmesh.replica.engines.base import BlockChange, Residency
+from prefixmesh.replica.events.publisher import EventPublisher
 from prefixmesh.replica.kvcache.folders import list_entries
-from prefixmesh.replica.publisher import EventPublisher
 
 logger = logging.getLogger(__name__)
 
