@@ -14,8 +14,8 @@ from prefixmesh.replica.sim_model.engine import EngineModel
 from prefixmesh.replica.sim_model.prefix_cache import SharedTier
 from prefixmesh.replica.sim_model.profile import EngineProfile
 from prefixmesh.replica.sim_model.records import ModelLoad
+from prefixmesh.router.core.replica_load import snapshot_of
 from prefixmesh.router.policy.base import ReplicaSnapshot
-from prefixmesh.router.replica_load import snapshot_of
 from prefixmesh.wire import ReplicaCapacity, ReplicaReport
 
 

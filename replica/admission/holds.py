@@ -12,7 +12,7 @@ grace for one to start. The replica also holds on its own (``own_hold``): vLLM d
 deduplicate a prefix two requests in one batch compute. ``ReplicaHolds`` is what the replica
 deployment uses: the hold each request waits under, and the wait. A request and a prefill are
 named by the prompt's ``PrefixKey``; only ``shared_blocks`` works on the bare hash chains. The
-router's side of holds is ``router/holds.py``.
+router's side of holds is ``router/core/holds.py``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ shared object whose methods do nothing.
 
 On the direct path the parent comes from two places (``trace_parent``): the router's ticket
 (its decision's span) and the client's own ``traceparent``, which HAProxy forwards here. They
-are one trace when HAProxy handed the router the client's header too (``router/spans.py``);
+are one trace when HAProxy handed the router the client's header too (``router/core/spans.py``);
 when they are not, the client's trace is the one its owner looks up, so the replica's spans
 continue it and link the router's decision.
 """

@@ -11,9 +11,9 @@ from random import Random
 from prefixmesh.cache_registry.factory import make_hasher, make_memory_state, make_registry
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import PrefixmeshConfig, load_config
-from prefixmesh.router.decide import Candidate, RoutingCore
-from prefixmesh.router.local_state import LocalRouterState
-from prefixmesh.router.metrics import RouterMetrics
+from prefixmesh.router.core.decide import Candidate, RoutingCore
+from prefixmesh.router.core.local_state import LocalRouterState
+from prefixmesh.router.core.metrics import RouterMetrics
 from prefixmesh.wire import GenerateRequest, ReplicaCapacity, ReplicaReport, SamplingSettings
 from prefixmesh.wire.request_progress import RequestProgress
 from tests.unit.metrics.test_sinks import Recording

@@ -11,9 +11,9 @@ import pytest
 from prefixmesh.cache_registry.factory import make_hasher, make_memory_state
 from prefixmesh.cache_registry.types import CacheEvent, EventKind, ReplicaId, Tier
 from prefixmesh.config import PrefixmeshConfig, load_config
-from prefixmesh.router.decide import Candidate, RoutingCore
-from prefixmesh.router.holds import CLAIM_REASON
-from prefixmesh.router.local_state import LocalRouterState
+from prefixmesh.router.core.decide import Candidate, RoutingCore
+from prefixmesh.router.core.holds import CLAIM_REASON
+from prefixmesh.router.core.local_state import LocalRouterState
 from prefixmesh.wire import GenerateRequest, ReplicaReport, SamplingSettings
 
 REPLICAS = [ReplicaId(f"r{i}") for i in range(4)]
@@ -107,7 +107,7 @@ async def test_no_claim_for_a_warm_prefix_a_short_prompt_or_when_disabled() -> N
 
 
 def test_a_claim_waits_a_share_of_the_prefill_it_can_save() -> None:
-    from prefixmesh.router.holds import ClaimSettings, claim_wait_s
+    from prefixmesh.router.core.holds import ClaimSettings, claim_wait_s
     from prefixmesh.router.policy.base import ReplicaCapacity, ReplicaSnapshot
 
     settings = ClaimSettings.from_config(config())
@@ -124,7 +124,7 @@ def test_a_long_prompts_claim_lasts_until_its_attention_heavy_prefill_is_done() 
     # Regression: the bound was linear in the tokens, so on a replica that reports an
     # attention cost a long prompt's claim (and its siblings' holds) ran out before its first
     # token, and the siblings computed it again.
-    from prefixmesh.router.holds import ClaimSettings, bound_s, expected_ready_s
+    from prefixmesh.router.core.holds import ClaimSettings, bound_s, expected_ready_s
     from prefixmesh.router.policy.base import ReplicaCapacity, ReplicaSnapshot
 
     settings = ClaimSettings.from_config(config())

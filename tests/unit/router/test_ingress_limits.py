@@ -21,8 +21,8 @@ from fastapi.testclient import TestClient
 from prefixmesh import tracing
 from prefixmesh.api import prepare
 from prefixmesh.config import load_config
-from prefixmesh.router import ingress
-from prefixmesh.router.ingress import IngressServer
+from prefixmesh.router.front import ingress
+from prefixmesh.router.front.ingress import IngressServer
 from prefixmesh.wire import GenerateChunk, GenerateRequest
 from tests.fakes.serve_ingress import build, model_folder, spy
 from tests.unit.api.test_errors import openai_error

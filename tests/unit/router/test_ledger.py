@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from prefixmesh.cache_registry.types import BlockHash, ReplicaId
-from prefixmesh.router.ledger import OVERTAKEN_S, LedgerLoad, LoadLedger
+from prefixmesh.router.core.ledger import OVERTAKEN_S, LedgerLoad, LoadLedger
 
 A, B = ReplicaId("a"), ReplicaId("b")
 
@@ -124,7 +124,7 @@ def test_progress_moves_entries_and_drops_queued_ones_overtaken() -> None:
     """A decision whose request never reaches its replica (a routing call that fell back after
     deciding) stops counting once the replica reaches the first token of a request of ours
     routed OVERTAKEN_S later; a request of ours already running there stays."""
-    from prefixmesh.router.ledger import OVERTAKEN_S
+    from prefixmesh.router.core.ledger import OVERTAKEN_S
 
     released: list[object] = []
     ledger = LoadLedger(release_claim=lambda claim, replica: released.append(claim))

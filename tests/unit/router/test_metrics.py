@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixmesh.api.generation import Generation
 from prefixmesh.api.request_metrics import RequestMetrics as IngressMetrics
 from prefixmesh.cache_registry.types import PrefixKey
-from prefixmesh.router.metrics import RouterMetrics
+from prefixmesh.router.core.metrics import RouterMetrics
 from prefixmesh.wire import GenerateChunk, GenerateRequest, Hold, RouteTicket, SamplingSettings
 
 

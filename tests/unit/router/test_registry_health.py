@@ -18,10 +18,10 @@ from prefixmesh.cache_registry.registry_health import (
     RegistryHealth,
 )
 from prefixmesh.config import REDIS_URL_ENV, load_config
-from prefixmesh.router.ingress import IngressServer
-from prefixmesh.router.metrics import RouterMetrics
-from prefixmesh.router.registry_watch import RegistryWatch
-from prefixmesh.router.route_server import RouterServer
+from prefixmesh.router.core.metrics import RouterMetrics
+from prefixmesh.router.front.ingress import IngressServer
+from prefixmesh.router.front.registry_watch import RegistryWatch
+from prefixmesh.router.front.route_server import RouterServer
 from tests.unit.router.test_metrics import samples
 
 AUTH = RegistryHealth("auth", "redis://h:1/0 refused the password from $PREFIXMESH_REDIS_PASSWORD")

@@ -13,10 +13,9 @@ from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import load_config
 from prefixmesh.loadtest.fleet import SimReplica, report
 from prefixmesh.replica.sim_model.profile import H100_LLAMA8B
-from prefixmesh.router.ledger import OVERTAKEN_S, LedgerLoad
-from prefixmesh.router.local_state import LocalRouterState
-from prefixmesh.router.policy.base import ReplicaSnapshot
-from prefixmesh.router.replica_load import (
+from prefixmesh.router.core.ledger import OVERTAKEN_S, LedgerLoad
+from prefixmesh.router.core.local_state import LocalRouterState
+from prefixmesh.router.core.replica_load import (
     larger_of,
     ledger_only,
     load_rule,
@@ -24,6 +23,7 @@ from prefixmesh.router.replica_load import (
     report_plus_ledger,
     snapshot_of,
 )
+from prefixmesh.router.policy.base import ReplicaSnapshot
 from prefixmesh.wire import ReplicaCapacity, ReplicaReport
 
 R = ReplicaId("r1")

@@ -7,7 +7,7 @@ import ray.exceptions as ray_errors
 
 from prefixmesh.cache_registry.types import BlockHash, PrefixKey
 from prefixmesh.replica.engines.remote_engine import RemoteEngineLost
-from prefixmesh.router.retry import AttemptFailed, is_retryable, retry_request, run_with_retry
+from prefixmesh.router.front.retry import AttemptFailed, is_retryable, retry_request, run_with_retry
 from prefixmesh.wire import GenerateRequest, Hold, RouteTicket, SamplingSettings
 
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import ReplicaId
-from prefixmesh.router.ledger import LedgerLoad
-from prefixmesh.router.local_state import LocalRouterState
-from prefixmesh.router.route_server import RouterServer
+from prefixmesh.router.core.ledger import LedgerLoad
+from prefixmesh.router.core.local_state import LocalRouterState
+from prefixmesh.router.front.route_server import RouterServer
 from prefixmesh.wire import GenerateRequest, Hold, LoadBalanced, SamplingSettings
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
 

@@ -19,8 +19,8 @@ from fastapi.testclient import TestClient
 from prefixmesh import tracing
 from prefixmesh.api import prepare
 from prefixmesh.config import load_config
-from prefixmesh.router import route_server
-from prefixmesh.router.route_server import TRUNCATED_HEADER, RouterServer
+from prefixmesh.router.front import route_server
+from prefixmesh.router.front.route_server import TRUNCATED_HEADER, RouterServer
 from tests.fakes.serve_ingress import build, model_folder, spy
 from tests.unit.api.test_errors import openai_error
 from tests.unit.router.test_route_server import _Replicas

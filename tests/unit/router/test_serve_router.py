@@ -24,8 +24,8 @@ from prefixmesh.cache_registry.types import (
     Tier,
 )
 from prefixmesh.config import load_config
-from prefixmesh.router.decide import _lookup_outcome
-from prefixmesh.router.serve_router import PrefixmeshRequestRouter
+from prefixmesh.router.core.decide import _lookup_outcome
+from prefixmesh.router.core.serve_router import PrefixmeshRequestRouter
 from prefixmesh.wire import (
     GenerateRequest,
     LoadBalanced,
@@ -237,7 +237,7 @@ def test_the_direct_path_counts_a_report_plus_what_no_report_lists_yet() -> None
     """No Serve callback says when a request finished on the direct path, and with a shared
     registry no replica tells this router either: a replica's report counts what reached it,
     the ledger what was routed since and not yet listed."""
-    from prefixmesh.router.decide import Candidate
+    from prefixmesh.router.core.decide import Candidate
 
     router = make_router("registry.backend=redis")  # serving.path=direct, the default
     core, local = router._core, router._local
@@ -255,7 +255,7 @@ def test_the_direct_path_with_replicas_progress_counts_the_ledger_alone() -> Non
     """With the in-process registry the replicas say when requests reach their first token and
     end: the ledger is exact, and a report a second old (still counting what has finished
     since) is not added to it."""
-    from prefixmesh.router.decide import Candidate
+    from prefixmesh.router.core.decide import Candidate
     from prefixmesh.wire.request_progress import RequestProgress
 
     router = make_router()  # direct path, in-process registry: the defaults

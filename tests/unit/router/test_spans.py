@@ -14,7 +14,7 @@ import pytest
 from prefixmesh import tracing
 from prefixmesh.api.errors import APIError
 from prefixmesh.config import TelemetryConfig
-from prefixmesh.router.spans import (
+from prefixmesh.router.core.spans import (
     NO_REQUEST_TRACE,
     NO_ROUTER_TRACE,
     ORIGIN,

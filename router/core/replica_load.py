@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from prefixmesh.cache_registry.types import ReplicaId
-from prefixmesh.router.ledger import LedgerLoad
+from prefixmesh.router.core.ledger import LedgerLoad
 from prefixmesh.router.policy.base import ReplicaSnapshot
 from prefixmesh.wire import ReplicaCapacity, ReplicaReport
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from prefixmesh.cache_registry.memory import RegistryState
 from prefixmesh.cache_registry.types import ReplicaId
-from prefixmesh.router.ledger import LoadLedger
-from prefixmesh.router.metrics import RouterMetrics
+from prefixmesh.router.core.ledger import LoadLedger
+from prefixmesh.router.core.metrics import RouterMetrics
 from prefixmesh.wire import ReplicaReport, RouteTicket
 from prefixmesh.wire.request_progress import RequestProgress
 

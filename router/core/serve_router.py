@@ -32,9 +32,9 @@ from ray.serve.request_router import PendingRequest, RunningReplica
 from prefixmesh.cache_registry.factory import make_memory_state
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.router.decide import Candidate, RoutingCore
-from prefixmesh.router.local_state import LocalRouterState, local_state
-from prefixmesh.router.spans import route_span
+from prefixmesh.router.core.decide import Candidate, RoutingCore
+from prefixmesh.router.core.local_state import LocalRouterState, local_state
+from prefixmesh.router.core.spans import route_span
 from prefixmesh.serve_private import ServeRequestRouter, pending_arguments, send_instead
 from prefixmesh.wire import GenerateRequest, LoadBalanced
 

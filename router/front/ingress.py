@@ -52,10 +52,10 @@ from prefixmesh.cache_registry.factory import (
 )
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.router.local_state import local_state
-from prefixmesh.router.registry_watch import RegistryWatch
-from prefixmesh.router.retry import AttemptFailed, retry_request, run_with_retry
-from prefixmesh.router.spans import NoRequestTrace, request_trace
+from prefixmesh.router.core.local_state import local_state
+from prefixmesh.router.core.spans import NoRequestTrace, request_trace
+from prefixmesh.router.front.registry_watch import RegistryWatch
+from prefixmesh.router.front.retry import AttemptFailed, retry_request, run_with_retry
 from prefixmesh.wire import GenerateRequest, RouteTicket
 
 logger = logging.getLogger(__name__)

@@ -30,10 +30,12 @@ from prefixmesh.cache_registry.hashing import FingerprintMismatchError
 from prefixmesh.cache_registry.protocol import CacheRegistry, settled
 from prefixmesh.cache_registry.types import SHARED_TIER, BlockHash, PrefixHit, PrefixKey, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.router import holds
-from prefixmesh.router.holds import ClaimSettings, claim_prefix
-from prefixmesh.router.ledger import LedgerLoad
-from prefixmesh.router.local_state import LocalRouterState
+from prefixmesh.router.core import holds
+from prefixmesh.router.core.holds import ClaimSettings, claim_prefix
+from prefixmesh.router.core.ledger import LedgerLoad
+from prefixmesh.router.core.local_state import LocalRouterState
+from prefixmesh.router.core.replica_load import load_rule, pooled_capacities, snapshot_of
+from prefixmesh.router.core.spans import note_hit, note_lookup
 from prefixmesh.router.policy import make_policy
 from prefixmesh.router.policy.base import (
     RegistryView,
@@ -44,8 +46,6 @@ from prefixmesh.router.policy.base import (
     RoutingPolicy,
     registry_view,
 )
-from prefixmesh.router.replica_load import load_rule, pooled_capacities, snapshot_of
-from prefixmesh.router.spans import note_hit, note_lookup
 from prefixmesh.wire import GenerateRequest, Hold, ReplicaReport, RouteTicket
 
 logger = logging.getLogger(__name__)

@@ -10,12 +10,12 @@ the state this process shares with it (``LocalRouterState.take_ticket``); the ti
 replica Serve picked, becomes the trusted headers. The replica serves and streams the response
 itself.
 A claim the decision took stays here: this router's ledger releases it when a replica's report
-lists the request (``router/holds.py``).
+lists the request (``router/core/holds.py``).
 
 Tracing: HAProxy forwards the client's ``traceparent`` here under Serve's session header
 (``local_ray.haproxy_environment`` names it so); the call's span continues it, the decision's
 span is its child, and the decision's context rides in the ticket to the replica, whose spans
-are the decision's children (``router/spans.py``).
+are the decision's children (``router/core/spans.py``).
 
 HAProxy answers the client 503 when a routing call errs or outlasts
 ``serving.router_timeout_s``, so this never errs and answers within ``route_budget_share`` of
@@ -52,9 +52,9 @@ from prefixmesh.cache_registry.factory import (
 )
 from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
-from prefixmesh.router.local_state import local_state
-from prefixmesh.router.registry_watch import RegistryWatch
-from prefixmesh.router.spans import NO_ROUTER_TRACE, NoRouterTrace, router_trace
+from prefixmesh.router.core.local_state import local_state
+from prefixmesh.router.core.spans import NO_ROUTER_TRACE, NoRouterTrace, router_trace
+from prefixmesh.router.front.registry_watch import RegistryWatch
 from prefixmesh.serve_private import init_handle, pick_replica
 from prefixmesh.wire import GenerateRequest, LoadBalanced
 from prefixmesh.wire.request_progress import RequestProgress

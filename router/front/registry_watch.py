@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from prefixmesh.cache_registry.registry_health import RegistryProbe
-from prefixmesh.router.metrics import RouterMetrics
+from prefixmesh.router.core.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
