@@ -37,7 +37,6 @@ from typing import Any
 
 import yaml
 
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.config import PrefixmeshConfig, ServingConfig, load_config, merge_settings
 from prefixmesh.loadtest.compare_report import RouterRow, delta, make_row, parse_counters
 from prefixmesh.loadtest.compare_report import write_compare as write_compare_report
@@ -54,6 +53,7 @@ from prefixmesh.loadtest.poisson import percentile
 from prefixmesh.loadtest.traces import TRACE_FORMATS
 from prefixmesh.loadtest.workloads import WORKLOADS
 from prefixmesh.local_ray import configure_environment, init_local_ray, stop_haproxy
+from prefixmesh.ports import free_port
 
 ROUTERS = ("prefixmesh", "ray_pow2", "ray_prefix_affinity", "sglang", "vllm_router")
 RAY_ROUTERS = {

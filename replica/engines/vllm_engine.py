@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from prefixmesh.cache_registry.hashing import BlockHasher
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.cache_registry.types import BlockHash
+from prefixmesh.ports import free_port
 from prefixmesh.replica.engines.base import (
     CacheChangeSink,
     EngineChunk,

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.ports import free_port
 
 SIM = ("replica.engine=sim", "replica.sim.kv_blocks=64", "replica.vllm.max_model_len=4096")
 

@@ -154,7 +154,7 @@ async def test_a_server_that_hashes_differently_is_refused(
 
 
 async def test_an_absent_server_fails_within_the_connect_timeout() -> None:
-    from prefixmesh.cache_registry.redis_server import free_port
+    from prefixmesh.ports import free_port
 
     settings = RemoteEngineSettings(f"http://127.0.0.1:{free_port()}", connect_timeout_s=0.5)
     engine = RemoteEngine(settings, make_hasher(sim_config()), lambda _: None)

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from prefixmesh.cache_registry.factory import make_registry_probe
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.cache_registry.registry_health import (
     DEGRADED_REASONS,
     HEALTHY,
@@ -18,6 +17,7 @@ from prefixmesh.cache_registry.registry_health import (
     RegistryHealth,
 )
 from prefixmesh.config import REDIS_URL_ENV, load_config
+from prefixmesh.ports import free_port
 from prefixmesh.router.core.metrics import RouterMetrics
 from prefixmesh.router.front.ingress import IngressServer
 from prefixmesh.router.front.registry_watch import RegistryWatch

