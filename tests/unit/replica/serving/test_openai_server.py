@@ -15,7 +15,7 @@ from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.replica.serving.openai_server import ReplicaHTTPServer
 from prefixmesh.wire import GenerateRequest, Hold, SamplingSettings
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
-from tests.unit.router.test_metrics import samples
+from tests.unit.router.core.test_metrics import samples
 
 ME = ReplicaId("replica-a")
 IDS = tuple(range(10))

@@ -23,7 +23,7 @@ from prefixmesh.router.front import route_server
 from prefixmesh.router.front.route_server import TRUNCATED_HEADER, RouterServer
 from tests.fakes.serve_ingress import build, model_folder, spy
 from tests.unit.api.test_errors import openai_error
-from tests.unit.router.test_route_server import _Replicas
+from tests.unit.router.front.test_route_server import _Replicas
 
 MODEL = "demo-tiny"
 LIMITS = (

@@ -33,7 +33,7 @@ from prefixmesh.wire import (
     RouteTicket,
     SamplingSettings,
 )
-from tests.unit.router.test_metrics import samples
+from tests.unit.router.core.test_metrics import samples
 
 BLOCK = 128
 BLOCKS = tuple(BlockHash(100 + i) for i in range(4))

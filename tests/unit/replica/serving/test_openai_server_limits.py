@@ -27,7 +27,7 @@ from prefixmesh.replica.serving.openai_server import ReplicaHTTPServer
 from prefixmesh.wire import GenerateChunk, GenerateRequest
 from tests.fakes.serve_ingress import bind, fast_tokenizer, spy
 from tests.unit.api.test_errors import openai_error
-from tests.unit.router.test_metrics import samples
+from tests.unit.router.core.test_metrics import samples
 
 MODEL = "demo-tiny"
 TEN_MB = 10_000_000

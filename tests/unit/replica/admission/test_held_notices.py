@@ -10,7 +10,7 @@ from prefixmesh.replica.admission.fair_gate import FairGate
 from prefixmesh.replica.admission.fair_share import FairQueue, FairTicket
 from prefixmesh.replica.serving.deployment import ReplicaCore
 from prefixmesh.wire import Hold
-from tests.unit.replica.test_spans import KEY, _drain, _Engine, _request, _server
+from tests.unit.replica.serving.test_spans import KEY, _drain, _Engine, _request, _server
 
 
 async def _until_waiting(gate: FairGate) -> None:

@@ -26,7 +26,7 @@ from prefixmesh.router.front.ingress import IngressServer
 from prefixmesh.wire import GenerateChunk, GenerateRequest
 from tests.fakes.serve_ingress import build, model_folder, spy
 from tests.unit.api.test_errors import openai_error
-from tests.unit.router.test_metrics import samples
+from tests.unit.router.core.test_metrics import samples
 
 MODEL = "demo-tiny"
 LIMITS = (
@@ -237,7 +237,7 @@ def test_quotas_on_the_proxy_path_refuse_over_quota_and_settle_the_completion(
     from prefixmesh.api.auth import ApiKeys
     from prefixmesh.api.quota import MemoryQuotaStore, TenantQuotas
     from prefixmesh.config import QuotasConfig, TenantQuota
-    from tests.unit.router.test_metrics import samples
+    from tests.unit.router.core.test_metrics import samples
 
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-alpha team-a\n")

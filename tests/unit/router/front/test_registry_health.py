@@ -22,7 +22,7 @@ from prefixmesh.router.core.metrics import RouterMetrics
 from prefixmesh.router.front.ingress import IngressServer
 from prefixmesh.router.front.registry_watch import RegistryWatch
 from prefixmesh.router.front.route_server import RouterServer
-from tests.unit.router.test_metrics import samples
+from tests.unit.router.core.test_metrics import samples
 
 AUTH = RegistryHealth("auth", "redis://h:1/0 refused the password from $PREFIXMESH_REDIS_PASSWORD")
 

@@ -24,7 +24,7 @@ from prefixmesh.router.core.spans import (
     router_trace,
 )
 from prefixmesh.wire import GenerateRequest, RouteTicket
-from tests.unit.router.test_serve_router import (
+from tests.unit.router.core.test_serve_router import (
     BLOCKS,
     fake_replica,
     hold_prefix,
