@@ -8,7 +8,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LIBRARY = ("router", "replica", "cache_registry", "kernels", "prefixmesh")
 ALLOWED = {
     "prefixmesh/config/load.py": "the config loader",

@@ -3,8 +3,8 @@ same config as before ``prefixmesh/config.py`` became a package (issue 37): the 
 ``model_dump(mode="json")`` of each case under the old code at 777570c.
 
 Regenerate (only for a deliberate change of the config's meaning) by running this file with a
-checkout's interpreter: ``python tests/unit/test_config_manifests.py > tests/unit/fixtures/
-config_dumps.json``."""
+checkout's interpreter: ``python tests/unit/config/test_config_manifests.py >
+tests/unit/config/fixtures/config_dumps.json``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import yaml
 
 from prefixmesh.config import PrefixmeshConfig, load_config, merge_overrides
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MANIFESTS = ROOT / "manifests"
 FIXTURE = Path(__file__).parent / "fixtures" / "config_dumps.json"
 
