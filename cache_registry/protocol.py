@@ -7,7 +7,7 @@ backend returns "nothing known" (an empty result, ``None``, ``0.0``) instead and
 
 Calls return awaitables: a remote backend's coroutines do their work when awaited; the
 in-process backend does it when called and returns a finished future, so a caller that checks
-``done()`` first never yields to its loop for it (``router/decide.py`` does: one code path for
+``done()`` first never yields to its loop for it (``router/core/decide.py`` does: one code path for
 both, and an in-process decision runs through without interleaving with another).
 """
 

@@ -31,9 +31,9 @@ from prefixmesh.loadtest.fleet import SimReplica
 from prefixmesh.loadtest.keys import KeyBuilder
 from prefixmesh.loadtest.workloads import WorkloadRequest
 from prefixmesh.replica.kvcache.policy import Clock, TierPolicy
-from prefixmesh.replica.model.prefix_cache import SharedTier, to_events
-from prefixmesh.replica.model.profile import EngineProfile
-from prefixmesh.replica.model.records import (
+from prefixmesh.replica.sim_model.prefix_cache import SharedTier, to_events
+from prefixmesh.replica.sim_model.profile import EngineProfile
+from prefixmesh.replica.sim_model.records import (
     CacheChanged,
     EngineEvent,
     Finished,

@@ -36,7 +36,7 @@ from prefixmesh.loadtest.traces import TRACE_FORMATS, load_trace, rescale
 from prefixmesh.loadtest.workloads import WORKLOADS, WorkloadRequest, make_workload
 from prefixmesh.replica.kvcache.policy import POLICY_NAMES as CACHE_POLICY_NAMES
 from prefixmesh.replica.kvcache.policy import Clock, TierPolicy, make_tier_policy
-from prefixmesh.replica.model.profile import (
+from prefixmesh.replica.sim_model.profile import (
     DEFAULT_PROFILE,
     PROFILES,
     EngineProfile,

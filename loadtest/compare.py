@@ -37,7 +37,6 @@ from typing import Any
 
 import yaml
 
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.config import PrefixmeshConfig, ServingConfig, load_config, merge_settings
 from prefixmesh.loadtest.compare_report import RouterRow, delta, make_row, parse_counters
 from prefixmesh.loadtest.compare_report import write_compare as write_compare_report
@@ -54,6 +53,7 @@ from prefixmesh.loadtest.poisson import percentile
 from prefixmesh.loadtest.traces import TRACE_FORMATS
 from prefixmesh.loadtest.workloads import WORKLOADS
 from prefixmesh.local_ray import configure_environment, init_local_ray, stop_haproxy
+from prefixmesh.ports import free_port
 
 ROUTERS = ("prefixmesh", "ray_pow2", "ray_prefix_affinity", "sglang", "vllm_router")
 RAY_ROUTERS = {
@@ -134,7 +134,7 @@ def rate_for_load(args: argparse.Namespace, config: PrefixmeshConfig) -> tuple[f
     from prefixmesh.loadtest.keys import KeyBuilder
     from prefixmesh.loadtest.oracle import fleet_capacity, offered_work_s, oracle_hits, work_model
     from prefixmesh.loadtest.plan import build_plan
-    from prefixmesh.replica.model.profile import get_profile
+    from prefixmesh.replica.sim_model.profile import get_profile
 
     sim = config.replica.sim
     profile = get_profile(sim.profile)

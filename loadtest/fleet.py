@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.replica.kvcache.policy import TierPolicy
-from prefixmesh.replica.model.engine import EngineModel
-from prefixmesh.replica.model.prefix_cache import SharedTier
-from prefixmesh.replica.model.profile import EngineProfile
-from prefixmesh.replica.model.records import ModelLoad
+from prefixmesh.replica.sim_model.engine import EngineModel
+from prefixmesh.replica.sim_model.prefix_cache import SharedTier
+from prefixmesh.replica.sim_model.profile import EngineProfile
+from prefixmesh.replica.sim_model.records import ModelLoad
+from prefixmesh.router.core.replica_load import snapshot_of
 from prefixmesh.router.policy.base import ReplicaSnapshot
-from prefixmesh.router.replica_load import snapshot_of
 from prefixmesh.wire import ReplicaCapacity, ReplicaReport
 
 

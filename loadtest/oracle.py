@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.loadtest.keys import KeyBuilder
 from prefixmesh.loadtest.workloads import WorkloadRequest
-from prefixmesh.replica.model.profile import EngineProfile
+from prefixmesh.replica.sim_model.profile import EngineProfile
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ def request_router_class(config: PrefixmeshConfig) -> Any:
         return serve_private.power_of_two_router_class()
     if choice == "ray_prefix_affinity":
         return serve_private.prefix_affinity_router_class()
-    from prefixmesh.router.serve_router import PrefixmeshRequestRouter
+    from prefixmesh.router.core.serve_router import PrefixmeshRequestRouter
 
     return PrefixmeshRequestRouter
 
@@ -64,13 +64,13 @@ def build_app(config: PrefixmeshConfig) -> Any:
     replica_class: type[ReplicaServer]
     front_class: type[RouterServer | IngressServer]
     if direct:
-        from prefixmesh.replica.openai_server import ReplicaHTTPServer as replica_class
-        from prefixmesh.router.route_server import RouterServer as front_class
+        from prefixmesh.replica.serving.openai_server import ReplicaHTTPServer as replica_class
+        from prefixmesh.router.front.route_server import RouterServer as front_class
 
         front_name = ROUTER_NAME
     else:
-        from prefixmesh.replica.deployment import ReplicaServer as replica_class
-        from prefixmesh.router.ingress import IngressServer as front_class
+        from prefixmesh.replica.serving.deployment import ReplicaServer as replica_class
+        from prefixmesh.router.front.ingress import IngressServer as front_class
 
         front_name = INGRESS_NAME
     model_path = resolve_model_path(config)

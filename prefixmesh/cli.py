@@ -64,7 +64,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "streamed completions: client-side gaps between events next to the engine's own",
     ),
     "replica-server": (
-        "prefixmesh.replica.standalone_server",
+        "prefixmesh.replica.serving.standalone_server",
         "one replica's engine (sim or vllm) behind the OpenAI API on 127.0.0.1",
     ),
     "loadtest": (

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.config import MetricsConfig, ServingConfig
+from prefixmesh.ports import free_port
 
 _WORKER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 SERVICE_DISCOVERY_FILE = "prom_metrics_service_discovery.json"

@@ -19,7 +19,7 @@ once, and retries a refused connection."""
 # settings (the direct path) at import: set before any test imports ray.
 HAPROXY_RUN_DIR = configure_environment(ServingConfig(replica_drain_s=TEST_REPLICA_DRAIN_S))
 
-from prefixmesh.cache_registry.redis_server import LocalRedisServer  # noqa: E402
+from prefixmesh.loadtest.local_redis import LocalRedisServer  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

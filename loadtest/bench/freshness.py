@@ -27,11 +27,11 @@ from pathlib import Path
 
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
-from prefixmesh.cache_registry.redis_server import LocalRedisServer
 from prefixmesh.cache_registry.types import EventKind, PrefixKey, ReplicaId, Tier
 from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.loadtest.local_redis import LocalRedisServer
 from prefixmesh.replica.engines.base import BlockChange, Residency
-from prefixmesh.replica.publisher import EventPublisher
+from prefixmesh.replica.events.publisher import EventPublisher
 
 _NAMESPACE = "freshness"
 

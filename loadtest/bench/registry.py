@@ -24,8 +24,8 @@ from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.memory import InMemoryRegistry, RegistryState
 from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
-from prefixmesh.cache_registry.redis_server import LocalRedisServer
 from prefixmesh.cache_registry.types import CacheEvent, EventKind, PrefixKey, ReplicaId, Tier
+from prefixmesh.loadtest.local_redis import LocalRedisServer
 
 
 @dataclass(frozen=True)

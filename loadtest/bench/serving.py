@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from prefixmesh.cache_registry.hashing import BlockHasher
-from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.loadtest.keys import token_id
+from prefixmesh.loadtest.local_redis import LocalRedisServer
 from prefixmesh.loadtest.workloads import BurstWorkload, GroupsWorkload, WorkloadRequest
 from prefixmesh.local_ray import configure_environment, init_local_ray, stop_haproxy
+from prefixmesh.ports import free_port
 
 VOCAB = 8192  # the demo model's
 BOS = 0

@@ -17,8 +17,8 @@ from prefixmesh.api.auth import ApiKeys
 from prefixmesh.api.quota import MemoryQuotaStore, QuotaStore, TenantQuotas
 from prefixmesh.api.request_metrics import RequestMetrics
 from prefixmesh.cache_registry.redis_quota import RedisQuotaStore
-from prefixmesh.cache_registry.redis_server import LocalRedisServer
 from prefixmesh.config import PrefixmeshConfig, QuotasConfig, TenantQuota
+from prefixmesh.loadtest.local_redis import LocalRedisServer
 
 TEN_MB = 10_000_000
 

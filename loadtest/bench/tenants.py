@@ -33,10 +33,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.config import load_config
+from prefixmesh.loadtest.local_redis import LocalRedisServer
 from prefixmesh.loadtest.poisson import exponential_arrivals, percentile
 from prefixmesh.local_ray import configure_environment, init_local_ray, stop_haproxy
+from prefixmesh.ports import free_port
 
 KEYS = {"light": "sk-bench-light", "heavy": "sk-bench-heavy"}
 VOCAB_LOW, VOCAB_HIGH = 300, 8000

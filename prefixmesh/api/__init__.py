@@ -1,7 +1,7 @@
 """The OpenAI front door every prefixmesh server shares: the direct path's router
-(``router/route_server.py``) and replica (``replica/openai_server.py``), the proxy path's
-ingress (``router/ingress.py``) and the standalone replica server
-(``replica/standalone_server.py``).
+(``router/front/route_server.py``) and replica (``replica/serving/openai_server.py``), the proxy
+path's ingress (``router/front/ingress.py``) and the standalone replica server
+(``replica/serving/standalone_server.py``).
 
 - ``prepare``: one request's body into one typed ``PreparedRequest`` (parse, model, limits,
   tokens, sampling, key, priority), through ``FrontDoor``;

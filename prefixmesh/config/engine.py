@@ -39,7 +39,7 @@ class SimEngineConfig(Section):
     """Settings of the sim engine: the simulator's engine model, run in real time."""
 
     profile: str = "cpu-small"
-    """Named timing profile (replica/model/profile.py)."""
+    """Named timing profile (replica/sim_model/profile.py)."""
     time_scale: float = Field(default=1.0, gt=0)
     """Multiplies every modelled duration (2.0 = twice as slow)."""
     kv_blocks: int | None = Field(default=None, ge=1)

@@ -11,7 +11,8 @@ from prefixmesh.config.engine import RemoteEngineConfig, SimEngineConfig, VllmCo
 
 
 class FairShareConfig(Section):
-    """Fair share when a replica is saturated (``replica/fair_share.py``): off by default."""
+    """Fair share when a replica is saturated (``replica/admission/fair_share.py``): off by
+    default."""
 
     enabled: bool = False
     """Requests start by priority, then the tenant with the least service (a virtual token
@@ -58,7 +59,8 @@ class ReplicaConfig(Section):
     """How often Serve polls each replica's load for the routers."""
     coalesce_stream: bool = True
     """Send the output deltas that piled up during the previous send as one chunk (the first
-    goes out at once; replica/coalesce.py): less Ray and SSE relaying per token when busy."""
+    goes out at once; replica/admission/coalesce.py): less Ray and SSE relaying per token when
+    busy."""
     health_check_timeout_s: float = Field(default=10.0, gt=0)
     """Serve's bound on one replica health check (its engine alive, or its replica server
     reachable); a replica that fails it is replaced."""

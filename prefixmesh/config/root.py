@@ -70,7 +70,7 @@ class PrefixmeshConfig(Section):
     @property
     def progress_to_router(self) -> bool:
         """Replicas tell the router when each request reaches its first token and when it ends
-        (``replica/progress.py``): on the direct path Serve's callbacks do not run, and with
+        (``replica/events/progress.py``): on the direct path Serve's callbacks do not run, and with
         the in-process registry the one router is where the replicas' events go already. Its
         ledger is then as exact as the proxy path's."""
         return self.serving.path == "direct" and self.registry.backend == "memory"

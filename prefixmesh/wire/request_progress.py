@@ -1,6 +1,6 @@
 """What a replica tells the router about the requests it serves, between reports: which reached
-their first token and which ended (``replica/progress.py`` sends it, the router's ledger reads
-it)."""
+their first token and which ended (``replica/events/progress.py`` sends it, the router's ledger
+reads it)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The routing decision as it travels from router to replica: one ``RouteTicket``, on both paths.
 
-The request router (``router/serve_router.py``) makes it from its decision; on the proxy path it
-rides in ``GenerateRequest.ticket`` (the handle call's argument), and the ingress gets it back
+The request router (``router/core/serve_router.py``) makes it from its decision; on the proxy path
+it rides in ``GenerateRequest.ticket`` (the handle call's argument), and the ingress gets it back
 through the state it shares with the request router (``LocalRouterState.take_ticket``). On the
 direct path HAProxy asks our router (``/internal/route``) where a request goes, then
 sets the headers of the router's answer on the request it forwards to that replica. Headers
@@ -12,7 +12,7 @@ The ticket carries what the replica cannot know by itself (the router's request 
 it chose, matched blocks, hold, when the request entered the cluster, trace context) and a
 digest of the prompt's key, so the replica can check that it keyed the prompt as the router did
 (a mismatch means the two disagree on tokenizer or hashing, and routing is blind). A claim the
-router took is not on it: the router releases its claims itself (``router/holds.py``).
+router took is not on it: the router releases its claims itself (``router/core/holds.py``).
 """
 
 from __future__ import annotations

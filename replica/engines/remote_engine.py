@@ -49,7 +49,7 @@ _SEND_ATTEMPTS = 2
 
 class RemoteEngineLost(ConnectionError):
     """The connection to the replica server failed or broke off (not a slow answer): the
-    request can go to another replica if nothing reached the client (``router/retry.py``)."""
+    request can go to another replica if nothing reached the client (``router/front/retry.py``)."""
 
 
 # ---- the wire format (shared with the replica server) ------------------------------------------

@@ -25,9 +25,9 @@ from prefixmesh.replica.engines.base import (
     Residency,
     TokenIntervals,
 )
-from prefixmesh.replica.model.engine import EngineModel
-from prefixmesh.replica.model.profile import EngineProfile
-from prefixmesh.replica.model.records import CacheChanged, Finished, FirstToken, SimRequest
+from prefixmesh.replica.sim_model.engine import EngineModel
+from prefixmesh.replica.sim_model.profile import EngineProfile
+from prefixmesh.replica.sim_model.records import CacheChanged, Finished, FirstToken, SimRequest
 from prefixmesh.wire import ReplicaCapacity
 
 # Output token ids are placeholders, cycled: ordinary merged tokens of a byte-level BPE (ids

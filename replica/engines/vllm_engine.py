@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from prefixmesh.cache_registry.hashing import BlockHasher
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.cache_registry.types import BlockHash
+from prefixmesh.ports import free_port
 from prefixmesh.replica.engines.base import (
     CacheChangeSink,
     EngineChunk,
@@ -29,7 +29,7 @@ from prefixmesh.replica.engines.base import (
     TokenIntervals,
 )
 from prefixmesh.replica.engines.calibration import CALIBRATION_RUNS, CalibrationRun, fastest
-from prefixmesh.replica.kv_events import VllmEventStream, VllmEventTranslator
+from prefixmesh.replica.events.kv_events import VllmEventStream, VllmEventTranslator
 from prefixmesh.replica.kvcache.waiting_channel import NoticeSender
 from prefixmesh.wire import ReplicaCapacity
 

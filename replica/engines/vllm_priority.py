@@ -4,8 +4,8 @@ vLLM's ``scheduling_policy="priority"`` orders only the waiting queue (and picks
 victim): each step it gives the token budget to the running requests first, in the order they
 started, so a prefill in progress keeps the step from a more urgent request that arrived after
 it started. The replica's fair share hands each request a priority (the request's own, then its
-tenant's virtual token counter when it started: ``replica/fair_share.py``) and needs that order
-to hold inside the step too. Before vLLM schedules a step, these schedulers
+tenant's virtual token counter when it started: ``replica/admission/fair_share.py``) and needs
+that order to hold inside the step too. Before vLLM schedules a step, these schedulers
 
 1. sort the running requests by (priority, arrival), so the budget goes to the urgent first;
 2. when the waiting queue's head can start now (a free slot, and free blocks for its prompt),
@@ -14,7 +14,7 @@ to hold inside the step too. Before vLLM schedules a step, these schedulers
    head gets the step's budget: it waits for the step in progress only, as alone.
 
 Then vLLM schedules exactly as it does. Decodes never yield. The engine model
-(``replica/model/engine.py``) follows the same rule, so the simulator and sim replicas agree.
+(``replica/sim_model/engine.py``) follows the same rule, so the simulator and sim replicas agree.
 
 vLLM names the class in ``SchedulerConfig.scheduler_cls`` and builds it in the engine-core
 process; ``priority_ordered_scheduler`` stands in for the class and picks the subclass of the

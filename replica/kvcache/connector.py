@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
 from prefixmesh.config import KVCacheConfig, PrefixmeshConfig
-from prefixmesh.replica.kv_events import OWN_EVENTS
+from prefixmesh.replica.events.kv_events import OWN_EVENTS
 from prefixmesh.replica.kvcache.ahead import AheadOfNeed, WaitingPrompt
 from prefixmesh.replica.kvcache.connector_stats import (
     USABLE,

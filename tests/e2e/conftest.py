@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.config import PrefixmeshConfig, ServingConfig, load_config
 from prefixmesh.local_ray import init_local_ray
+from prefixmesh.ports import free_port
 
 
 @dataclass(frozen=True)

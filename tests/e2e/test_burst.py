@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixmesh.cache_registry.redis_server import LocalRedisServer
+from prefixmesh.loadtest.local_redis import LocalRedisServer
 from tests.e2e.conftest import Cluster, Deploy, replica_reports
 
 # Two deployments under load (two busy loops on both cores) outlast the default 300 s.

@@ -27,10 +27,11 @@ import pytest
 
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
-from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.cache_registry.types import PrefixKey, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.loadtest.local_redis import LocalRedisServer
 from prefixmesh.loadtest.peers import ManagedProcess, wait_http
+from prefixmesh.ports import free_port
 from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy, replica_reports
 from tests.e2e.test_faults import DOCUMENTS, MODEL, LoadRun, wait_until, write_report
 

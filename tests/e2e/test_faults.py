@@ -28,9 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
-from prefixmesh.cache_registry.redis_server import LocalRedisServer
 from prefixmesh.cache_registry.types import PrefixKey, ReplicaId
 from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.loadtest.local_redis import LocalRedisServer
 from tests.e2e.conftest import Cluster, Deploy
 from tests.fakes.delay_proxy import DelayProxy
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.loadtest.peers import ManagedProcess, wait_http
 from prefixmesh.loadtest.report import REQUIRED_KEYS
+from prefixmesh.ports import free_port
 
 pytestmark = pytest.mark.slow
 

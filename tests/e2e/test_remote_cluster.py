@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.loadtest.peers import ManagedProcess, wait_http
+from prefixmesh.ports import free_port
 from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

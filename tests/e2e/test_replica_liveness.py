@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixmesh.cache_registry.redis_server import LocalRedisServer
+from prefixmesh.loadtest.local_redis import LocalRedisServer
 from tests.e2e.conftest import PROXY_PATH, Cluster, Deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]

@@ -43,9 +43,10 @@ import httpx
 import psutil
 import pytest
 
-from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.config import load_config
+from prefixmesh.loadtest.local_redis import LocalRedisServer
 from prefixmesh.local_ray import haproxy_environment, haproxy_router_pool, stop_haproxy
+from prefixmesh.ports import free_port
 from tests.conftest import TEST_REPLICA_DRAIN_S
 from tests.e2e.conftest import Cluster, Deploy
 from tests.e2e.test_faults import DOCUMENTS, MODEL, LoadRun, Outcome, metric, write_report

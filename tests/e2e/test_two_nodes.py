@@ -40,10 +40,11 @@ import pytest
 
 from prefixmesh.api.render import UNROUTED
 from prefixmesh.cache_registry.factory import make_registry
-from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.cache_registry.types import ReplicaId
 from prefixmesh.config import load_config
+from prefixmesh.loadtest.local_redis import LocalRedisServer
 from prefixmesh.local_ray import haproxy_environment, stop_haproxy
+from prefixmesh.ports import free_port
 from tests.conftest import TEST_REPLICA_DRAIN_S
 from tests.e2e.test_faults import MODEL, LoadRun, wait_until, write_report
 

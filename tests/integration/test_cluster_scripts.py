@@ -16,9 +16,10 @@ import pytest
 import redis
 import yaml
 
-from prefixmesh.cache_registry.redis_server import find_redis_server, free_port
 from prefixmesh.config import load_config, merge_overrides
+from prefixmesh.loadtest.local_redis import find_redis_server
 from prefixmesh.local_ray import haproxy_environment
+from prefixmesh.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "manifests" / "cluster"

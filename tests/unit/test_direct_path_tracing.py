@@ -16,10 +16,10 @@ import pytest
 from prefixmesh import tracing
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.config import TelemetryConfig
-from prefixmesh.replica.spans import replica_trace, trace_parent
-from prefixmesh.router.local_state import LocalRouterState
-from prefixmesh.router.route_server import RouterServer
-from prefixmesh.router.spans import route_span
+from prefixmesh.replica.serving.spans import replica_trace, trace_parent
+from prefixmesh.router.core.local_state import LocalRouterState
+from prefixmesh.router.core.spans import route_span
+from prefixmesh.router.front.route_server import RouterServer
 from prefixmesh.wire import GenerateRequest, SamplingSettings
 from prefixmesh.wire.route_ticket import RouteTicket
 

@@ -3,8 +3,8 @@ anyway, routing on load alone): the reason named, the password never printed."""
 
 from __future__ import annotations
 
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.config import REDIS_PASSWORD_ENV, REDIS_URL_ENV, load_config
+from prefixmesh.ports import free_port
 from prefixmesh.serve_cli import registry_warning
 
 SECRET = "n0t-for-the-log"

@@ -12,7 +12,7 @@ from prefixmesh.cache_registry.hashing import BlockHasher, CacheFingerprint
 from prefixmesh.cache_registry.memory import InMemoryRegistry, RegistryState
 from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
-from prefixmesh.cache_registry.redis_server import LocalRedisServer
+from prefixmesh.loadtest.local_redis import LocalRedisServer
 from tests.fakes.clock import FakeClock
 
 BLOCK = 4

@@ -16,10 +16,10 @@ from prefixmesh.cache_registry.factory import make_registry, make_registry_probe
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.redis_connection import RedisEndpoint
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
-from prefixmesh.cache_registry.redis_server import LocalRedisServer, TLSUnsupportedError
 from prefixmesh.cache_registry.registry_health import RedisProbe, RegistryHealth
 from prefixmesh.cache_registry.types import CacheEvent, EventKind, PrefixHit, ReplicaId, Tier
 from prefixmesh.config import REDIS_PASSWORD_ENV, REDIS_URL_ENV, load_config
+from prefixmesh.loadtest.local_redis import LocalRedisServer, TLSUnsupportedError
 from prefixmesh.serve_cli import registry_warning
 from tests.integration.cache_registry.conftest import HASHER
 

@@ -12,8 +12,9 @@ import pytest
 
 from prefixmesh.cache_registry.hashing import BlockHasher, FingerprintMismatchError
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
-from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.cache_registry.types import CacheEvent, EventKind, PrefixHit, ReplicaId, Tier
+from prefixmesh.loadtest.local_redis import LocalRedisServer
+from prefixmesh.ports import free_port
 from tests.integration.cache_registry.conftest import HASHER
 
 pytestmark = pytest.mark.redis

@@ -15,8 +15,9 @@ from prefixmesh.api.quota import MemoryQuotaStore, TenantQuotas
 from prefixmesh.cache_registry.quota_rules import MINUTE_MS, QuotaAsk
 from prefixmesh.cache_registry.redis_connection import RedisEndpoint
 from prefixmesh.cache_registry.redis_quota import RedisQuotaStore
-from prefixmesh.cache_registry.redis_server import LocalRedisServer, free_port
 from prefixmesh.config import QuotasConfig, TenantQuota
+from prefixmesh.loadtest.local_redis import LocalRedisServer
+from prefixmesh.ports import free_port
 from tests.unit.api.test_quota import Recorded
 
 pytestmark = pytest.mark.redis

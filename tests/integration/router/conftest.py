@@ -13,11 +13,11 @@ import pytest
 
 from prefixmesh.cache_registry.factory import make_hasher, make_memory_state, make_registry
 from prefixmesh.cache_registry.protocol import CacheRegistry
-from prefixmesh.cache_registry.redis_server import LocalRedisServer
 from prefixmesh.cache_registry.types import BlockHash, CacheEvent, EventKind, ReplicaId, Tier
 from prefixmesh.config import PrefixmeshConfig, load_config
-from prefixmesh.router.decide import Candidate, RoutingCore
-from prefixmesh.router.local_state import LocalRouterState
+from prefixmesh.loadtest.local_redis import LocalRedisServer
+from prefixmesh.router.core.decide import Candidate, RoutingCore
+from prefixmesh.router.core.local_state import LocalRouterState
 from prefixmesh.wire import GenerateRequest, ReplicaCapacity, ReplicaReport, SamplingSettings
 
 REPLICAS = tuple(ReplicaId(f"r{i}") for i in range(4))

@@ -12,8 +12,8 @@ import asyncio
 
 import pytest
 
-from prefixmesh.router.decide import Candidate
-from prefixmesh.router.holds import CLAIM_REASON
+from prefixmesh.router.core.decide import Candidate
+from prefixmesh.router.core.holds import CLAIM_REASON
 from prefixmesh.wire import ReplicaReport
 from tests.integration.router.conftest import CANDIDATES, REPLICAS, Cluster, document
 

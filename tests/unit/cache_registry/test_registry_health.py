@@ -14,7 +14,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from prefixmesh.cache_registry.factory import make_hasher, make_registry_probe
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.redis_connection import RedisEndpoint
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.cache_registry.registry_health import (
     HEALTHY,
     InProcessProbe,
@@ -23,6 +22,7 @@ from prefixmesh.cache_registry.registry_health import (
     diagnose,
 )
 from prefixmesh.config import REDIS_PASSWORD_ENV, REDIS_URL_ENV, load_config
+from prefixmesh.ports import free_port
 from tests.fakes.clock import FakeClock
 
 SECRET = "hunter2-secret"

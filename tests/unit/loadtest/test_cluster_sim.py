@@ -27,7 +27,7 @@ from prefixmesh.loadtest.workloads import (
     make_request,
 )
 from prefixmesh.replica.kvcache.policy import Clock, LRUPolicy, TierPolicy
-from prefixmesh.replica.model.profile import H100_LLAMA8B, with_cpu_tier, with_shared_tier
+from prefixmesh.replica.sim_model.profile import H100_LLAMA8B, with_cpu_tier, with_shared_tier
 from prefixmesh.router.policy import make_policy
 from prefixmesh.router.policy.base import registry_view
 from tests.unit.loadtest.policies import LongestHit, RoundRobin
@@ -172,7 +172,7 @@ from dataclasses import replace
 from prefixmesh.loadtest.cluster_sim import ClusterSim, SimConfig
 from prefixmesh.loadtest.workloads import BlogWorkload
 from prefixmesh.cache_registry.types import SHARED_TIER
-from prefixmesh.replica.model.profile import H100_LLAMA8B, with_shared_tier
+from prefixmesh.replica.sim_model.profile import H100_LLAMA8B, with_shared_tier
 from prefixmesh.router.policy.base import registry_view
 from tests.unit.loadtest.policies import LongestHit
 requests = BlogWorkload(system_prompt_tokens=8192).generate(200, 40.0, seed=7)

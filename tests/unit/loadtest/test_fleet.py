@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from prefixmesh.loadtest.fleet import SimReplica, capacity
-from prefixmesh.replica.model.profile import H100_LLAMA8B, with_cpu_tier
+from prefixmesh.replica.sim_model.profile import H100_LLAMA8B, with_cpu_tier
 
 
 def test_capacity_follows_the_step_model_and_scales_with_tp() -> None:

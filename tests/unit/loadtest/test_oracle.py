@@ -15,7 +15,7 @@ from prefixmesh.loadtest.oracle import (
     work_model,
 )
 from prefixmesh.loadtest.workloads import make_request
-from prefixmesh.replica.model.profile import EngineProfile
+from prefixmesh.replica.sim_model.profile import EngineProfile
 
 TINY = EngineProfile(
     name="tiny",

@@ -14,7 +14,7 @@ from prefixmesh.loadtest.workloads import (
     MultiturnWorkload,
     make_workload,
 )
-from prefixmesh.replica.model.profile import H100_LLAMA8B
+from prefixmesh.replica.sim_model.profile import H100_LLAMA8B
 
 
 def test_blog_sends_80_percent_to_one_system_prompt() -> None:

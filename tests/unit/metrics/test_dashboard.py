@@ -15,7 +15,7 @@ from prefixmesh.metrics.ray_sink import PROCESS_LABELS
 from prefixmesh.metrics.runtime import RUNTIME_METRICS
 from prefixmesh.metrics.spec import MetricSpec, ray_names
 from prefixmesh.metrics.vllm_export import VLLM_METRICS
-from prefixmesh.router.metrics import ROUTER_METRICS
+from prefixmesh.router.core.metrics import ROUTER_METRICS
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "manifests" / "grafana" / "prefixmesh.json"

@@ -17,7 +17,7 @@ from prefixmesh.metrics.ray_sink import PROCESS_LABELS, RaySink, process_tags, s
 from prefixmesh.metrics.sink import NullSink, PrometheusSink, Tee
 from prefixmesh.metrics.spec import CounterSpec, GaugeSpec, HistogramSpec, MetricSpec, ray_names
 from prefixmesh.metrics.vllm_export import cluster_stat_loggers
-from prefixmesh.router.metrics import ROUTER_METRICS, RouterMetrics
+from prefixmesh.router.core.metrics import ROUTER_METRICS, RouterMetrics
 
 COUNTER = CounterSpec("pm_test_requests", "Requests", ("status",))
 GAUGE = GaugeSpec("pm_test_load", "Load", ("replica", "field"))

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from prefixmesh.cache_registry.redis_server import free_port
 from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.ports import free_port
 
 SIM = ("replica.engine=sim", "replica.sim.kv_blocks=64", "replica.vllm.max_model_len=4096")
 
@@ -40,7 +40,7 @@ def live_replica_server() -> Iterator[Callable[..., LiveServer]]:
     """Start replica servers (sim) with uvicorn on threads; stopped after the test."""
     import uvicorn
 
-    from prefixmesh.replica.standalone_server import build_app, make_service
+    from prefixmesh.replica.serving.standalone_server import build_app, make_service
 
     started: list[tuple[uvicorn.Server, threading.Thread]] = []
 
