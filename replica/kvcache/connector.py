@@ -53,7 +53,7 @@ from prefixmesh.replica.kvcache.connector_stats import (
     PrefixmeshPromMetrics,
 )
 from prefixmesh.replica.kvcache.folders import cache_folder, rank_folder
-from prefixmesh.replica.kvcache.planner import StepPlan
+from prefixmesh.replica.kvcache.plan import StepPlan
 from prefixmesh.replica.kvcache.scheduler_side import (
     SchedulerSetup,
     SchedulerSide,

@@ -22,7 +22,8 @@ from prefixmesh.replica.kvcache.ahead import AheadOfNeed, WaitingPrompt
 from prefixmesh.replica.kvcache.connector_stats import USABLE, counts_since
 from prefixmesh.replica.kvcache.disk import scan
 from prefixmesh.replica.kvcache.folders import measure_read_rate
-from prefixmesh.replica.kvcache.planner import LoadCosts, StepPlan, TierPlanner
+from prefixmesh.replica.kvcache.plan import LoadCosts, StepPlan
+from prefixmesh.replica.kvcache.planner import TierPlanner
 from prefixmesh.replica.kvcache.policy import ManualClock, RequestQueue, make_tier_policy
 from prefixmesh.replica.kvcache.policy.base import chain_refs
 from prefixmesh.replica.kvcache.prefill_rate import PrefillRateMeter
