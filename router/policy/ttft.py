@@ -336,103 +336,158 @@ class TtftModel:
             terms = self._terms.update(replicas, self.running_cost)
         prompt = request.prompt_tokens if request.prompt_tokens > 0 else 0
         least_uncached = 1 if prompt else 0  # vLLM always computes the last token
+        uncached_at, load_at, holders, any_speculative = self._held_by(
+            request, replicas, hits, terms.position, prompt, least_uncached
+        )
+        if credit is not None:
+            self._credit(request, credit, prompt, least_uncached, uncached_at, load_at)
+        if shared_blocks > 0:
+            load_at = self._from_shared(request, replicas, shared_blocks, uncached_at, load_at)
+        costs = _costs(terms, uncached_at, load_at, prompt, 1.0 + work_price)
+        least_backlog_s = min(terms.backlogs) if replicas else 0.0
+        return CandidateEstimates(
+            list(terms.waits), costs, least_backlog_s, holders, any_speculative
+        )
+
+    def _held_by(
+        self,
+        request: RouteRequest,
+        replicas: Sequence[ReplicaSnapshot],
+        hits: Mapping[ReplicaId, PrefixHit],
+        position: Mapping[ReplicaId, int],
+        prompt: int,
+        least_uncached: int,
+    ) -> tuple[list[int], list[float] | None, list[Holder], bool]:
+        """What each candidate computes of the prompt given what it holds: (uncached tokens
+        per position, load seconds per position or None when nothing loads, the holders in
+        position order, whether any hit is speculative)."""
         count = len(replicas)
         uncached_at = [prompt] * count
         load_at: list[float] | None = None
         holders: list[Holder] = []
         any_speculative = False
-        if hits:
-            key_blocks = len(request.key.block_hashes)
-            block_size = self.block_size
-            cpu_discount = 1.0 - self.cpu_fallback_credit
-            position = terms.position
-            # Registry lookups hand every replica with the same row the same PrefixHit (on a
-            # hot prefix, dozens of holders share one or two): an all-GPU hit, whose uncached
-            # count does not depend on the replica, is worked out once per run of one object.
-            same_hit: PrefixHit | None = None
-            same_uncached = 0
-            for replica_id, hit in hits.items():
-                index = position.get(replica_id)
-                if index is None:
-                    continue
-                if hit is same_hit:
-                    holders.append((index, hit, same_uncached))
-                    uncached_at[index] = same_uncached
-                    continue
-                held_blocks = hit.num_blocks
-                if held_blocks <= 0:
-                    continue
-                _, cpu, disk = hit.blocks_by_tier
-                load_s = 0.0
-                shared = False
-                if disk or held_blocks > key_blocks or cpu > held_blocks:
-                    saved, load_s = self.held(hit, replicas[index].capacity, key_blocks)
-                    uncached = int(prompt - saved + 0.5)
-                elif not cpu:  # all in GPU memory: the common hit
-                    uncached = prompt - held_blocks * block_size
-                    shared = True
-                elif (cpu_load := replicas[index].capacity.cpu_load_s_per_block) > 0:
-                    uncached = prompt - held_blocks * block_size
-                    load_s = cpu * cpu_load
-                else:  # CPU blocks, credited (on this replica: another may load them)
-                    uncached = int(prompt - (held_blocks - cpu * cpu_discount) * block_size + 0.5)
-                if uncached < least_uncached:
-                    uncached = least_uncached
-                holders.append((index, hit, uncached))
-                if hit.num_speculative > 0:
-                    any_speculative = True
-                uncached_at[index] = uncached
-                if shared:
-                    same_hit, same_uncached = hit, uncached
-                if load_s:
-                    if load_at is None:
-                        load_at = [0.0] * count
-                    load_at[index] = load_s
-            if len(holders) > 1:
-                holders.sort(key=_position_of)
-        if credit is not None:
-            credit_blocks = min(credit[1], len(request.key.block_hashes))
-            credit_uncached = max(prompt - credit_blocks * self.block_size, least_uncached)
-            for index in credit[0]:
-                if uncached_at[index] > credit_uncached:
-                    uncached_at[index] = credit_uncached
-                    if load_at is not None:
-                        load_at[index] = 0.0
-        if shared_blocks > 0:
-            for index, snapshot in enumerate(replicas):
-                left, shared_load_s = self.with_shared(
-                    request, snapshot.capacity, uncached_at[index], shared_blocks
-                )
-                if shared_load_s > 0:
-                    uncached_at[index] = left
-                    if load_at is None:
-                        load_at = [0.0] * count
-                    load_at[index] += shared_load_s
-        priced = 1.0 + work_price
-        # One pass in a comprehension: the per-replica terms are folded so that the cost is
-        # linear in the tokens computed there, in one step (u <= chunk) or in chunks.
-        costs = [
-            fixed + u * (priced * token_s + delay)
-            if u <= chunk
-            else chunked + u * (per + priced * token_s)
-            for (chunk, fixed, token_s, delay, per, chunked), u in zip(
-                terms.cost_terms, uncached_at, strict=True
+        if not hits:
+            return uncached_at, load_at, holders, any_speculative
+        key_blocks = len(request.key.block_hashes)
+        block_size = self.block_size
+        cpu_discount = 1.0 - self.cpu_fallback_credit
+        # Registry lookups hand every replica with the same row the same PrefixHit (on a
+        # hot prefix, dozens of holders share one or two): an all-GPU hit, whose uncached
+        # count does not depend on the replica, is worked out once per run of one object.
+        same_hit: PrefixHit | None = None
+        same_uncached = 0
+        for replica_id, hit in hits.items():
+            index = position.get(replica_id)
+            if index is None:
+                continue
+            if hit is same_hit:
+                holders.append((index, hit, same_uncached))
+                uncached_at[index] = same_uncached
+                continue
+            held_blocks = hit.num_blocks
+            if held_blocks <= 0:
+                continue
+            _, cpu, disk = hit.blocks_by_tier
+            load_s = 0.0
+            shared = False
+            if disk or held_blocks > key_blocks or cpu > held_blocks:
+                saved, load_s = self.held(hit, replicas[index].capacity, key_blocks)
+                uncached = int(prompt - saved + 0.5)
+            elif not cpu:  # all in GPU memory: the common hit
+                uncached = prompt - held_blocks * block_size
+                shared = True
+            elif (cpu_load := replicas[index].capacity.cpu_load_s_per_block) > 0:
+                uncached = prompt - held_blocks * block_size
+                load_s = cpu * cpu_load
+            else:  # CPU blocks, credited (on this replica: another may load them)
+                uncached = int(prompt - (held_blocks - cpu * cpu_discount) * block_size + 0.5)
+            if uncached < least_uncached:
+                uncached = least_uncached
+            holders.append((index, hit, uncached))
+            if hit.num_speculative > 0:
+                any_speculative = True
+            uncached_at[index] = uncached
+            if shared:
+                same_hit, same_uncached = hit, uncached
+            if load_s:
+                if load_at is None:
+                    load_at = [0.0] * count
+                load_at[index] = load_s
+        if len(holders) > 1:
+            holders.sort(key=_position_of)
+        return uncached_at, load_at, holders, any_speculative
+
+    def _credit(
+        self,
+        request: RouteRequest,
+        credit: tuple[Sequence[int], int],
+        prompt: int,
+        least_uncached: int,
+        uncached_at: list[int],
+        load_at: list[float] | None,
+    ) -> None:
+        """A hot group's members computed as if they held its first blocks in GPU memory
+        (``uncached_at`` and ``load_at`` are the estimate's own lists, lowered in place)."""
+        credit_blocks = min(credit[1], len(request.key.block_hashes))
+        credit_uncached = max(prompt - credit_blocks * self.block_size, least_uncached)
+        for index in credit[0]:
+            if uncached_at[index] > credit_uncached:
+                uncached_at[index] = credit_uncached
+                if load_at is not None:
+                    load_at[index] = 0.0
+
+    def _from_shared(
+        self,
+        request: RouteRequest,
+        replicas: Sequence[ReplicaSnapshot],
+        shared_blocks: int,
+        uncached_at: list[int],
+        load_at: list[float] | None,
+    ) -> list[float] | None:
+        """Each replica that reads the shared tier loads from there what it does not hold
+        (``uncached_at`` lowered in place); returns the load seconds per position."""
+        for index, snapshot in enumerate(replicas):
+            left, shared_load_s = self.with_shared(
+                request, snapshot.capacity, uncached_at[index], shared_blocks
             )
-        ]
-        if load_at is not None:
-            costs = [cost + load for cost, load in zip(costs, load_at, strict=True)]
-        if prompt > terms.attention_above:  # attention adds to both the TTFT and the work
-            # ``prefill_attention_s``, inlined: (per pair, half the budget) per replica.
-            for index, (per_pair, half_budget) in enumerate(terms.attention):
-                if per_pair > 0:
-                    u = uncached_at[index]
-                    pairs = u * (prompt - 0.5 * u - half_budget)
-                    if pairs > 0:
-                        costs[index] += priced * per_pair * pairs
-        least_backlog_s = min(terms.backlogs) if count else 0.0
-        return CandidateEstimates(
-            list(terms.waits), costs, least_backlog_s, holders, any_speculative
+            if shared_load_s > 0:
+                uncached_at[index] = left
+                if load_at is None:
+                    load_at = [0.0] * len(replicas)
+                load_at[index] += shared_load_s
+        return load_at
+
+
+def _costs(
+    terms: _ReplicaTerms,
+    uncached_at: list[int],
+    load_at: list[float] | None,
+    prompt: int,
+    priced: float,
+) -> list[float]:
+    """Each candidate's cost from its request-independent terms, the tokens it computes and
+    what it loads, at ``priced`` (1 + the work price) per second of compute."""
+    # One pass in a comprehension: the per-replica terms are folded so that the cost is
+    # linear in the tokens computed there, in one step (u <= chunk) or in chunks.
+    costs = [
+        fixed + u * (priced * token_s + delay)
+        if u <= chunk
+        else chunked + u * (per + priced * token_s)
+        for (chunk, fixed, token_s, delay, per, chunked), u in zip(
+            terms.cost_terms, uncached_at, strict=True
         )
+    ]
+    if load_at is not None:
+        costs = [cost + load for cost, load in zip(costs, load_at, strict=True)]
+    if prompt > terms.attention_above:  # attention adds to both the TTFT and the work
+        # ``prefill_attention_s``, inlined: (per pair, half the budget) per replica.
+        for index, (per_pair, half_budget) in enumerate(terms.attention):
+            if per_pair > 0:
+                u = uncached_at[index]
+                pairs = u * (prompt - 0.5 * u - half_budget)
+                if pairs > 0:
+                    costs[index] += priced * per_pair * pairs
+    return costs
 
 
 _position_of = itemgetter(0)
