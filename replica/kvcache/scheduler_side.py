@@ -141,22 +141,8 @@ class SchedulerSide:
         this replica's tiers (None: the shared folder)."""
         self._loading: dict[str, dict[int, tuple[BlockHash, Tier | None]]] = {}
         """The same for each asynchronous load until the worker reports it done."""
-        logger.info(
-            "prefixmesh KV connector: %d CPU blocks, %d disk blocks, %d shared blocks of %d "
-            "bytes (%d restored); read %.2f / %.2f / %.2f GB/s, prefill %.0f tokens/s, policy %s"
-            " (lookahead over %d waiting requests)",
-            capacity[Tier.CPU],
-            capacity[Tier.DISK],
-            shared.blocks,
-            page_bytes,
-            self.planner.size(Tier.DISK),
-            rates[Tier.CPU] / 1e9,
-            rates[Tier.DISK] / 1e9,
-            shared.read_rate / 1e9,
-            prefill_tokens_per_s,
-            settings.policy,
-            settings.lookahead_requests,
-        )
+        restored = self.planner.size(Tier.DISK)
+        _log_ready(settings, capacity, rates, shared, page_bytes, restored, prefill_tokens_per_s)
 
     @staticmethod
     def _start_shared(setup: SchedulerSetup, blocks: int) -> SharedDirIndex | None:
@@ -426,3 +412,31 @@ def _notice_receiver(socket_path: str | None, queue: RequestQueue | None) -> Not
     except OSError as exc:  # the lookahead still hears vLLM's own queue
         logger.warning("lookahead: held requests unheard at %s (%s)", socket_path, exc)
         return None
+
+
+def _log_ready(
+    settings: KVCacheConfig,
+    capacity: dict[Tier, int],
+    rates: dict[Tier, float],
+    shared: _SharedTier,
+    page_bytes: int,
+    restored: int,
+    prefill_tokens_per_s: float,
+) -> None:
+    """One line of what the scheduler side starts with."""
+    logger.info(
+        "prefixmesh KV connector: %d CPU blocks, %d disk blocks, %d shared blocks of %d "
+        "bytes (%d restored); read %.2f / %.2f / %.2f GB/s, prefill %.0f tokens/s, policy %s"
+        " (lookahead over %d waiting requests)",
+        capacity[Tier.CPU],
+        capacity[Tier.DISK],
+        shared.blocks,
+        page_bytes,
+        restored,
+        rates[Tier.CPU] / 1e9,
+        rates[Tier.DISK] / 1e9,
+        shared.read_rate / 1e9,
+        prefill_tokens_per_s,
+        settings.policy,
+        settings.lookahead_requests,
+    )
