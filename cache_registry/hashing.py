@@ -123,3 +123,19 @@ class BlockHasher:
             hashes.append(BlockHash(value))
             previous = value.to_bytes(8, "little")
         return tuple(hashes)
+
+
+def shared_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash], limit: int | None = None) -> int:
+    """Leading blocks two hash chains share, up to ``limit``. Chained hashes are equal at i only
+    if equal before i (each covers its whole prefix), so a binary search finds the boundary in
+    O(log n) comparisons."""
+    low, high = 0, min(len(a), len(b))
+    if limit is not None and limit < high:
+        high = limit
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[middle - 1] == b[middle - 1]:
+            low = middle
+        else:
+            high = middle - 1
+    return low

@@ -18,9 +18,9 @@ from prefixmesh.config import PrefixmeshConfig, load_config, merge_overrides, pr
 from prefixmesh.replica.demo_model import resolve_model_path
 
 if TYPE_CHECKING:
-    from prefixmesh.replica.deployment import ReplicaServer
-    from prefixmesh.router.ingress import IngressServer
-    from prefixmesh.router.route_server import RouterServer
+    from prefixmesh.replica.serving.deployment import ReplicaServer
+    from prefixmesh.router.front.ingress import IngressServer
+    from prefixmesh.router.front.route_server import RouterServer
 
 INGRESS_NAME = "Ingress"
 ROUTER_NAME = "Router"

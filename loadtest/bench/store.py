@@ -29,7 +29,7 @@ from prefixmesh.loadtest.bench.kernels import (
     median_cuda_ms,
     print_rows,
 )
-from prefixmesh.replica.kvcache.planner import DropJob, LoadJob, StoreJob
+from prefixmesh.replica.kvcache.plan import DropJob, LoadJob, StoreJob
 from prefixmesh.replica.kvcache.store import TierStore
 
 

@@ -11,8 +11,8 @@ nothing orders them), so a held request that finds no covering prefill waits a s
 grace for one to start. The replica also holds on its own (``own_hold``): vLLM does not
 deduplicate a prefix two requests in one batch compute. ``ReplicaHolds`` is what the replica
 deployment uses: the hold each request waits under, and the wait. A request and a prefill are
-named by the prompt's ``PrefixKey``; only ``shared_blocks`` works on the bare hash chains. The
-router's side of holds is ``router/core/holds.py``.
+named by the prompt's ``PrefixKey``; only ``shared_blocks`` (``cache_registry/hashing.py``)
+works on the bare hash chains. The router's side of holds is ``router/core/holds.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prefixmesh.cache_registry.types import BlockHash, PrefixKey
+from prefixmesh.cache_registry.hashing import shared_blocks
+from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.wire import Hold, ReplicaCapacity
 
@@ -32,19 +33,6 @@ class _Prefill:
     key: PrefixKey
     prompt_tokens: int = 0
     done: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def shared_blocks(a: tuple[BlockHash, ...], b: tuple[BlockHash, ...]) -> int:
-    """Leading blocks two chains share. Chained hashes are equal at i only if equal before
-    i, so a binary search finds the boundary in O(log n) comparisons."""
-    low, high = 0, min(len(a), len(b))
-    while low < high:
-        middle = (low + high + 1) // 2
-        if a[middle - 1] == b[middle - 1]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 class InflightPrefills:

@@ -39,6 +39,7 @@ from prefixmesh.replica.engines.base import (
     HeldMirror,
     Residency,
 )
+from prefixmesh.tasks import cancel_and_wait
 from prefixmesh.wire import ReplicaCapacity, SamplingSettings
 
 logger = logging.getLogger(__name__)
@@ -354,11 +355,8 @@ class RemoteEngine:
             self._events_task.cancel()
 
     async def shutdown(self) -> None:
-        if self._events_task is not None:
-            self._events_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._events_task
-            self._events_task = None
+        await cancel_and_wait(self._events_task)
+        self._events_task = None
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -28,6 +28,7 @@ from prefixmesh.replica.engines.base import (
 from prefixmesh.replica.sim_model.engine import EngineModel
 from prefixmesh.replica.sim_model.profile import EngineProfile
 from prefixmesh.replica.sim_model.records import CacheChanged, Finished, FirstToken, SimRequest
+from prefixmesh.tasks import cancel_and_wait
 from prefixmesh.wire import ReplicaCapacity
 
 # Output token ids are placeholders, cycled: ordinary merged tokens of a byte-level BPE (ids
@@ -227,8 +228,5 @@ class SimEngine:
             self._driver.cancel()
 
     async def shutdown(self) -> None:
-        if self._driver is not None:
-            self._driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._driver
-            self._driver = None
+        await cancel_and_wait(self._driver)
+        self._driver = None

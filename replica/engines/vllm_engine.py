@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import BlockHash
@@ -32,6 +32,10 @@ from prefixmesh.replica.engines.calibration import CALIBRATION_RUNS, Calibration
 from prefixmesh.replica.events.kv_events import VllmEventStream, VllmEventTranslator
 from prefixmesh.replica.kvcache.waiting_channel import NoticeSender
 from prefixmesh.wire import ReplicaCapacity
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -130,46 +134,83 @@ class VllmEngine:
         self._notices_dir: tempfile.TemporaryDirectory[str] | None = None
 
     async def start(self) -> None:
-        import zmq
-        import zmq.asyncio
-        from vllm.config import KVEventsConfig, KVTransferConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        from prefixmesh.metrics.vllm_export import cluster_stat_loggers
 
         s = self.settings
         if s.cpu_core is not None:
             # Read by the engine worker when it spawns: one core per replica, or every engine
             # on this machine binds to core 0 (DESIGN.md §7).
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(s.cpu_core)
+        endpoint = self._listen_for_events()
+        args = self._engine_args(endpoint, self._transfer_config())
+        self._engine = AsyncLLM.from_engine_args(
+            args, stat_loggers=[_stat_logger_factory(self._stats), *cluster_stat_loggers()]
+        )
+        self.kv_blocks = int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
+        if s.shared_folder is not None and not self._shared_read_bytes_per_s:
+            await self._measure_shared_folder(s.shared_folder)
+        if s.calibrate:
+            await self._calibrate()
+        logger.info(
+            "vLLM engine ready: %d KV blocks of %d; prefill %.0f tokens/s, decode step %.1f ms",
+            self.kv_blocks,
+            s.block_size,
+            self._prefill_tokens_per_s,
+            self._decode_step_s * 1e3,
+        )
+
+    def _listen_for_events(self) -> str:
+        """Bind the socket the engine publishes its KV cache events to, and start consuming
+        them; returns its endpoint."""
+        import zmq
+        import zmq.asyncio
+
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         self._socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.bind(endpoint)
         self._events_task = asyncio.get_running_loop().create_task(self._consume_events())
-        transfer = None
-        if s.kv_connector_extra is not None:
-            from prefixmesh.replica.kvcache.connector import (
-                CONNECTOR_MODULE,
-                CONNECTOR_NAME,
-                WAITING_SOCKET,
-            )
+        return endpoint
 
-            extra = dict(s.kv_connector_extra)
-            if extra["kvcache"].get("lookahead_requests", 0) > 0:
-                # The connector runs in vLLM's engine-core process: a socket of our own tells
-                # its lookahead of the requests this replica holds before they reach the engine.
-                self._notices_dir = tempfile.TemporaryDirectory(prefix="prefixmesh-waits-")
-                extra[WAITING_SOCKET] = os.path.join(self._notices_dir.name, "s")
-                self._notices = NoticeSender(extra[WAITING_SOCKET])
-            transfer = KVTransferConfig(
-                kv_connector=CONNECTOR_NAME,
-                kv_connector_module_path=CONNECTOR_MODULE,
-                kv_role="kv_both",
-                kv_connector_extra_config=extra,
-            )
+    def _transfer_config(self) -> KVTransferConfig | None:
+        """Our KV connector's config for vLLM (None: no lower tiers), with the socket that
+        tells its lookahead of the requests held here when it has one."""
+        from vllm.config import KVTransferConfig
+
+        s = self.settings
+        if s.kv_connector_extra is None:
+            return None
+        from prefixmesh.replica.kvcache.connector import (
+            CONNECTOR_MODULE,
+            CONNECTOR_NAME,
+            WAITING_SOCKET,
+        )
+
+        extra = dict(s.kv_connector_extra)
+        if extra["kvcache"].get("lookahead_requests", 0) > 0:
+            # The connector runs in vLLM's engine-core process: a socket of our own tells
+            # its lookahead of the requests this replica holds before they reach the engine.
+            self._notices_dir = tempfile.TemporaryDirectory(prefix="prefixmesh-waits-")
+            extra[WAITING_SOCKET] = os.path.join(self._notices_dir.name, "s")
+            self._notices = NoticeSender(extra[WAITING_SOCKET])
+        return KVTransferConfig(
+            kv_connector=CONNECTOR_NAME,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+
+    def _engine_args(self, endpoint: str, transfer: KVTransferConfig | None) -> AsyncEngineArgs:
+        """vLLM's engine arguments from our settings (events to ``endpoint``)."""
+        from vllm.config import KVEventsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
         from prefixmesh.replica.engines.vllm_priority import SCHEDULER_QUALNAME
 
-        args = AsyncEngineArgs(
+        s = self.settings
+        return AsyncEngineArgs(
             model=s.model_path,
             tokenizer=s.model_path,
             block_size=s.block_size,
@@ -190,30 +231,15 @@ class VllmEngine:
             scheduling_policy="priority" if s.priority_scheduling else "fcfs",
             scheduler_cls=SCHEDULER_QUALNAME if s.priority_scheduling else None,
         )
-        from prefixmesh.metrics.vllm_export import cluster_stat_loggers
 
-        self._engine = AsyncLLM.from_engine_args(
-            args, stat_loggers=[_stat_logger_factory(self._stats), *cluster_stat_loggers()]
-        )
-        self.kv_blocks = int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
-        if s.shared_folder is not None and not self._shared_read_bytes_per_s:
-            from prefixmesh.replica.kvcache.folders import measure_read_rate
+    async def _measure_shared_folder(self, folder: str) -> None:
+        """The shared tier's read rate, measured here (the router weighs its loads by it)."""
+        from prefixmesh.replica.kvcache.folders import measure_read_rate
 
-            try:
-                self._shared_read_bytes_per_s = await asyncio.to_thread(
-                    measure_read_rate, Path(s.shared_folder)
-                )
-            except OSError as exc:  # the connector serves without it too
-                logger.warning("shared KV tier %s unusable: %s", s.shared_folder, exc)
-        if s.calibrate:
-            await self._calibrate()
-        logger.info(
-            "vLLM engine ready: %d KV blocks of %d; prefill %.0f tokens/s, decode step %.1f ms",
-            self.kv_blocks,
-            s.block_size,
-            self._prefill_tokens_per_s,
-            self._decode_step_s * 1e3,
-        )
+        try:
+            self._shared_read_bytes_per_s = await asyncio.to_thread(measure_read_rate, Path(folder))
+        except OSError as exc:  # the connector serves without it too
+            logger.warning("shared KV tier %s unusable: %s", folder, exc)
 
     async def _calibrate(self) -> None:
         """Measure this engine's prefill rate and decode step on this machine, so the router

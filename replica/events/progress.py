@@ -14,12 +14,12 @@ again with the next one (a router's ledger ends entries only here, or by expiry 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable
 from typing import Protocol
 
 from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.tasks import cancel_and_wait
 from prefixmesh.wire.request_progress import RequestProgress
 
 logger = logging.getLogger(__name__)
@@ -87,11 +87,8 @@ class ProgressReporter:
             await self.flush()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         await self.flush()
 
 

@@ -16,7 +16,6 @@ replica killed while idle leaves no entries behind even if no router ever hears 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -32,6 +31,7 @@ from prefixmesh.cache_registry.types import (
     Tier,
 )
 from prefixmesh.replica.engines.base import BlockChange, Residency
+from prefixmesh.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +130,8 @@ class EventPublisher:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         # While the registry is unreachable every attempt fails and asks for a resync, which

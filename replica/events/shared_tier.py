@@ -24,6 +24,7 @@ from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
 from prefixmesh.replica.engines.base import BlockChange, Residency
 from prefixmesh.replica.events.publisher import EventPublisher
 from prefixmesh.replica.kvcache.folders import list_entries
+from prefixmesh.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +123,8 @@ class SharedTierPublisher:
         self._listing = listing
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self.publisher is not None:
             await self.publisher.stop()
             await self.publisher.flush()

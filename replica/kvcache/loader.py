@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from prefixmesh.cache_registry.types import BlockHash
-from prefixmesh.replica.kvcache.planner import LoadJob, Prefetch, RequestLoad
+from prefixmesh.replica.kvcache.plan import LoadJob, Prefetch, RequestLoad
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import torch
 from prefixmesh.cache_registry.types import BlockHash, Tier
 from prefixmesh.kernels.ops import PagedKVCache, gather_blocks, scatter_blocks, scatter_layer
 from prefixmesh.replica.kvcache.disk import DiskTier
-from prefixmesh.replica.kvcache.planner import (
+from prefixmesh.replica.kvcache.plan import (
     DropJob,
     Job,
     LoadJob,

@@ -19,7 +19,7 @@ from prefixmesh.replica.kvcache.connector_stats import USABLE
 from prefixmesh.replica.kvcache.disk import DiskTier
 from prefixmesh.replica.kvcache.layer_loads import LayerCopier
 from prefixmesh.replica.kvcache.loader import BackgroundLoader
-from prefixmesh.replica.kvcache.planner import StepPlan
+from prefixmesh.replica.kvcache.plan import StepPlan
 from prefixmesh.replica.kvcache.store import LayerBatch, TierStore
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,13 @@ from prefixmesh import tracing
 from prefixmesh.cache_registry.factory import make_hasher, make_registry
 from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.registry_health import HEALTHY, RegistryHealth
-from prefixmesh.cache_registry.types import SHARED_TIER, CacheEvent, PublishResult, ReplicaId
+from prefixmesh.cache_registry.types import (
+    SHARED_TIER,
+    BlockHash,
+    CacheEvent,
+    PublishResult,
+    ReplicaId,
+)
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.metrics.ray_sink import serve_replica_sink
 from prefixmesh.metrics.runtime import RuntimeMetrics
@@ -42,7 +48,7 @@ from prefixmesh.replica.events.publisher import EventPublisher, EventTarget
 from prefixmesh.replica.events.shared_tier import SharedTierPublisher
 from prefixmesh.replica.kvcache.folders import cache_folder, rank_folder
 from prefixmesh.replica.serving.runtime_watch import RuntimeWatch
-from prefixmesh.replica.serving.spans import replica_trace
+from prefixmesh.replica.serving.spans import NoTrace, replica_trace
 from prefixmesh.wire import (
     GenerateChunk,
     GenerateRequest,
@@ -165,6 +171,31 @@ def _no_gpu() -> bool:
         return True
 
 
+class _Announcement:
+    """Whether the engine was told that a request waits here, before it (its cache policy may
+    keep what the request will need); told once, withdrawn once."""
+
+    __slots__ = ("_blocks", "_engine", "_rid", "announced")
+
+    def __init__(self, engine: Engine, rid: str, blocks: Sequence[BlockHash]) -> None:
+        self._engine = engine
+        self._rid = rid
+        self._blocks = blocks
+        self.announced = False
+
+    def waits_here(self) -> None:
+        """Held back before the engine: tell it (once)."""
+        if not self.announced:
+            self.announced = True
+            self._engine.announce(self._rid, self._blocks)
+
+    def withdraw(self) -> None:
+        """It waits here no longer (it reached the engine, or it ended)."""
+        if self.announced:
+            self.announced = False
+            self._engine.withdraw(self._rid)
+
+
 class ReplicaCore:
     """The replica's logic over its parts, built by its constructor (tests pass fakes): it
     serves requests (holds, fair share, the engine's stream), counts what reached it, reports
@@ -225,40 +256,13 @@ class ReplicaCore:
         if attention_s > 0:
             self._prefill_attention_s[rid] = attention_s
         trace = replica_trace(request, self.replica_id)  # no-op object when tracing is off
-        held_s = 0.0
         in_prefill = True
         output_tokens = 0
         finish_reason: str | None = None
-        inflight = self.holds.inflight
-        key = request.key
-        announced = False  # the engine was told the request waits here
-
-        def waits_here() -> None:
-            # Held back before the engine: its cache policy may keep what this one will need.
-            nonlocal announced
-            if not announced:
-                announced = True
-                self.engine.announce(rid, key.block_hashes)
-
+        announcement = _Announcement(self.engine, rid, request.key.block_hashes)
         try:
-            hold = self.holds.hold_for(
-                request.hold,
-                key,
-                lambda: self._resident.leading(key.block_hashes),
-                self.capacity,
-            )
-            if hold is not None:
-                waits_here()
-                held_s = await self.holds.wait(hold, key, from_router=request.hold is not None)
-            trace.queued(hold, held_s)
-            engine_priority = 0  # every request equal: the engine's arrival order
-            if self.fair is not None:
-                start = await self.fair.enter(self._fair_ticket(request), waits_here)
-                engine_priority = start.engine_priority
-            if announced:
-                announced = False
-                self.engine.withdraw(rid)
-            inflight.started(rid, key, len(request.prompt_token_ids))
+            held_s, engine_priority = await self._wait_turn(request, trace, announcement)
+            self.holds.inflight.started(rid, request.key, len(request.prompt_token_ids))
             engine_request = EngineRequest(
                 rid, request.prompt_token_ids, request.sampling, engine_priority
             )
@@ -268,14 +272,7 @@ class ReplicaCore:
             async for chunk in stream:
                 if in_prefill:
                     in_prefill = False
-                    if self.progress is not None:
-                        self.progress.first_token(rid)
-                    if self.fair is not None:
-                        self.fair.first_token(rid)
-                    inflight.finished(rid)
-                    self._prefill_tokens.pop(rid, None)
-                    self._prefill_attention_s.pop(rid, None)
-                    self._running.add(rid)
+                    self._first_token(rid)
                     trace.first_token(chunk.num_cached_tokens)
                 output_tokens += len(chunk.token_ids)
                 finish_reason = chunk.finish_reason
@@ -291,18 +288,56 @@ class ReplicaCore:
             trace.failed(exc)
             raise
         finally:
-            if announced:
-                self.engine.withdraw(rid)
-            if self.progress is not None:
-                self.progress.finished(rid)
-            if self.fair is not None:
-                self.fair.leave(rid, output_tokens)
-            inflight.finished(rid)
-            self._prefill_tokens.pop(rid, None)
-            self._prefill_attention_s.pop(rid, None)
-            self._running.discard(rid)
-            self._finished.append(rid)
+            announcement.withdraw()
+            self._left(rid, output_tokens)
             trace.end(output_tokens, finish_reason)
+
+    async def _wait_turn(
+        self, request: GenerateRequest, trace: NoTrace, announcement: _Announcement
+    ) -> tuple[float, int]:
+        """Wait for the request's turn before the engine (its hold, then the fair-share gate):
+        the seconds it was held, and the priority the engine schedules it at."""
+        key = request.key
+        hold = self.holds.hold_for(
+            request.hold,
+            key,
+            lambda: self._resident.leading(key.block_hashes),
+            self.capacity,
+        )
+        held_s = 0.0
+        if hold is not None:
+            announcement.waits_here()
+            held_s = await self.holds.wait(hold, key, from_router=request.hold is not None)
+        trace.queued(hold, held_s)
+        engine_priority = 0  # every request equal: the engine's arrival order
+        if self.fair is not None:
+            start = await self.fair.enter(self._fair_ticket(request), announcement.waits_here)
+            engine_priority = start.engine_priority
+        announcement.withdraw()
+        return held_s, engine_priority
+
+    def _first_token(self, rid: str) -> None:
+        """The request's first token came out: it is decoding now, its prefill is done."""
+        if self.progress is not None:
+            self.progress.first_token(rid)
+        if self.fair is not None:
+            self.fair.first_token(rid)
+        self.holds.inflight.finished(rid)
+        self._prefill_tokens.pop(rid, None)
+        self._prefill_attention_s.pop(rid, None)
+        self._running.add(rid)
+
+    def _left(self, rid: str, output_tokens: int) -> None:
+        """The request ended (finished, aborted or failed): every count of it goes."""
+        if self.progress is not None:
+            self.progress.finished(rid)
+        if self.fair is not None:
+            self.fair.leave(rid, output_tokens)
+        self.holds.inflight.finished(rid)
+        self._prefill_tokens.pop(rid, None)
+        self._prefill_attention_s.pop(rid, None)
+        self._running.discard(rid)
+        self._finished.append(rid)
 
     def _attention_s(self, request: GenerateRequest) -> float:
         """What computing the prompt's blocks the engine does not hold costs in attention

@@ -30,8 +30,8 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -258,6 +258,25 @@ def _engine_failed(exc: BaseException) -> APIError:
 
 def build_app(service: ReplicaService) -> FastAPI:
     """The HTTP surface of one replica; the engine starts and stops with the app."""
+    app = FastAPI(
+        title="prefixmesh replica",
+        docs_url=None,
+        redoc_url=None,
+        lifespan=_lifespan(service),
+        redirect_slashes=False,
+    )
+    install_error_handlers(app)
+    app.include_router(engine_routes(service.host, service.engine_info))
+    keys = ApiKeys.from_config(service.config)
+    if keys is not None:
+        _guard_openai(app, keys)
+    _openai_routes(app, service)
+    _peer_routes(app, service)
+    return app
+
+
+def _lifespan(service: ReplicaService) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the engine and the runtime watch start with it and stop with it."""
     host = service.host
 
     @asynccontextmanager
@@ -271,27 +290,25 @@ def build_app(service: ReplicaService) -> FastAPI:
             await host.stop_watching()
             await host.live_engine.shutdown()
 
-    app = FastAPI(
-        title="prefixmesh replica",
-        docs_url=None,
-        redoc_url=None,
-        lifespan=lifespan,
-        redirect_slashes=False,
-    )
-    install_error_handlers(app)
-    app.include_router(engine_routes(host, service.engine_info))
-    keys = ApiKeys.from_config(service.config)
-    if keys is not None:
+    return lifespan
 
-        @app.middleware("http")
-        async def api_keys(request: Request, call_next: Any) -> Response:
-            # The OpenAI API wants a key (vLLM's --api-key guards /v1 alone): health,
-            # metrics, the peers' tokenizer and info endpoints and /engine/* stay open.
-            path = request.url.path
-            if path.startswith("/v1/") and (refused := await refusal(keys, request)) is not None:
-                return refused
-            response: Response = await call_next(request)
-            return response
+
+def _guard_openai(app: FastAPI, keys: ApiKeys) -> None:
+    """Ask the OpenAI endpoints for an API key."""
+
+    @app.middleware("http")
+    async def api_keys(request: Request, call_next: Any) -> Response:
+        # The OpenAI API wants a key (vLLM's --api-key guards /v1 alone): health,
+        # metrics, the peers' tokenizer and info endpoints and /engine/* stay open.
+        path = request.url.path
+        if path.startswith("/v1/") and (refused := await refusal(keys, request)) is not None:
+            return refused
+        response: Response = await call_next(request)
+        return response
+
+
+def _openai_routes(app: FastAPI, service: ReplicaService) -> None:
+    """The OpenAI endpoints: completions, chat completions, the model list."""
 
     async def openai(request: Request, chat: bool) -> Response:
         deadline = service.limits.deadline()
@@ -299,10 +316,6 @@ def build_app(service: ReplicaService) -> FastAPI:
             return await service.respond(await service.front.read(request), chat, deadline)
         except APIError as exc:
             return error_response(exc)
-
-    async def json_body(request: Request) -> Any:
-        """A peer's JSON body, within the body limit (the tokenizing endpoints)."""
-        return await read_json(request, service.limits.max_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -315,6 +328,15 @@ def build_app(service: ReplicaService) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return model_list(service.config.model, int(service.started), service.max_model_len)
+
+
+def _peer_routes(app: FastAPI, service: ReplicaService) -> None:
+    """What vLLM's server answers its peers and tools: version, server and model info, the
+    tokenizer, the prompt renderers."""
+
+    async def json_body(request: Request) -> Any:
+        """A peer's JSON body, within the body limit (the tokenizing endpoints)."""
+        return await read_json(request, service.limits.max_body_bytes)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -355,8 +377,6 @@ def build_app(service: ReplicaService) -> FastAPI:
     async def chat_render(request: Request) -> dict[str, Any]:
         body = await json_body(request)
         return service.render(body, await service.tokens_of(body), "chatcmpl")
-
-    return app
 
 
 def make_service(config: PrefixmeshConfig, replica_id: str, rank: int = 0) -> ReplicaService:

@@ -31,7 +31,8 @@ abort cuts the stretch at the end of the step in progress. Time only moves forwa
 
 Driving it: ``submit`` / ``abort`` at ``now_s``; ``next_event_s()`` is when something happens next
 (None: idle); ``advance(now_s)`` processes every step that ended by ``now_s`` and returns what
-happened (``CacheChanged``, ``FirstToken``, ``Finished``), oldest first.
+happened (``CacheChanged``, ``FirstToken``, ``Finished``), oldest first. A request's state and
+the steps in progress (``ModelRequest``, ``Stretch``) are in ``steps.py``.
 """
 
 from __future__ import annotations
@@ -40,9 +41,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass
 
-from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.replica.kvcache.policy import TierPolicy
 from prefixmesh.replica.sim_model.prefix_cache import PrefixCache, SharedTier
 from prefixmesh.replica.sim_model.profile import EngineProfile
@@ -55,90 +54,21 @@ from prefixmesh.replica.sim_model.records import (
     RequestRecord,
     SimRequest,
 )
+from prefixmesh.replica.sim_model.steps import (
+    DECODE,
+    DONE,
+    HELD,
+    PREFILL,
+    WAITING,
+    ModelRequest,
+    Stretch,
+    insert_in_order,
+)
 from prefixmesh.wire.replica_report import extra_attention_pairs
 from prefixmesh.wire.route_ticket import Hold
 
 PROMOTE_LOOKAHEAD = 16
 """Waiting requests looked at, oldest first, for blocks to promote ahead of their turn."""
-
-_WAITING, _HELD, _PREFILL, _DECODE, _DONE = range(5)
-
-
-class _Request:
-    __slots__ = (
-        "aborting",
-        "attention_s",
-        "context",
-        "decode_start",
-        "estimate",
-        "held_since",
-        "hold",
-        "hold_deadline_s",
-        "num_computed",
-        "num_hit",
-        "pins",
-        "private_blocks",
-        "ready_s",
-        "record",
-        "reserved_blocks",
-        "spec",
-        "state",
-    )
-
-    def __init__(self, spec: SimRequest, record: RequestRecord, hold: Hold | None) -> None:
-        self.spec = spec
-        self.record = record
-        self.hold = hold
-        self.hold_deadline_s = record.arrival_s + hold.max_wait_s if hold else 0.0
-        self.held_since = 0.0
-        self.state = _WAITING
-        self.aborting = False
-        self.estimate = 0  # pending prefill tokens counted for it while waiting
-        self.attention_s = 0.0  # the pending attention counted for it
-        self.num_hit = 0
-        self.num_computed = 0
-        self.pins: list[BlockHash] = []  # cached blocks it references
-        self.private_blocks = 0
-        self.reserved_blocks = 0
-        self.context = 0  # tokens of KV it attends to while decoding
-        self.decode_start = 0  # global decode counter when it started decoding
-        self.ready_s = -math.inf  # when its lower-tier blocks are loaded (async loads)
-
-
-@dataclass(slots=True)
-class _Stretch:
-    """Steps in progress: one step with prefill chunks, or ``num_steps`` pure decode steps."""
-
-    start_s: float
-    num_steps: int
-    first_step_s: float
-    growth_s: float
-    """Each further decode step takes this much longer (every decode's context grew by 1)."""
-    batch: int
-    """Decode tokens per step."""
-    chunks: list[tuple[_Request, int]]
-    end_s: float = 0.0
-
-    def elapsed_after(self, steps: int) -> float:
-        return steps * self.first_step_s + self.growth_s * steps * (steps - 1) / 2
-
-    def steps_done_by(self, now_s: float) -> int:
-        """Whole steps completed by ``now_s`` (0..num_steps)."""
-        elapsed = now_s - self.start_s
-        if elapsed <= 0:
-            return 0
-        first, growth = self.first_step_s, self.growth_s
-        if growth <= 0:
-            k = int(elapsed // first)
-        else:
-            b = first - growth / 2
-            k = int((-b + math.sqrt(b * b + 2 * growth * elapsed)) / growth)
-        k = max(0, min(k, self.num_steps))
-        while k < self.num_steps and self.elapsed_after(k + 1) <= elapsed:
-            k += 1
-        while k > 0 and self.elapsed_after(k) > elapsed:
-            k -= 1
-        return k
 
 
 class EngineModel:
@@ -176,19 +106,19 @@ class EngineModel:
         """When the loads handed to the loader so far are done (they run one at a time)."""
         self._ready: list[float] = []
         """Heap of the times loading requests become ready."""
-        self._waiting: deque[_Request] = deque()
-        self._held: list[_Request] = []
-        self._prefilling: list[_Request] = []
-        self._decodes: list[tuple[int, int, _Request]] = []  # (finish counter, seq, request)
+        self._waiting: deque[ModelRequest] = deque()
+        self._held: list[ModelRequest] = []
+        self._prefilling: list[ModelRequest] = []
+        self._decodes: list[tuple[int, int, ModelRequest]] = []  # (finish counter, seq, request)
         self._num_decoding = 0
         self._decode_context = 0
         self._decode_steps = 0
         """Global decode counter: decode steps run since the engine started."""
-        self._requests: dict[str, _Request] = {}
-        self._aborting: list[_Request] = []
+        self._requests: dict[str, ModelRequest] = {}
+        self._aborting: list[ModelRequest] = []
         self._seq = 0
         self._clock_s = -math.inf
-        self._stretch: _Stretch | None = None
+        self._stretch: Stretch | None = None
         self._events: list[EngineEvent] = []
         self._load: ModelLoad | None = None
         self._pending_prefill = 0
@@ -210,12 +140,12 @@ class EngineModel:
         record = RequestRecord(
             request.request_id, request.prompt_tokens, request.output_tokens, now_s
         )
-        req = _Request(request, record, hold)
+        req = ModelRequest(request, record, hold)
         req.estimate = request.prompt_tokens - self._hit_blocks(request) * self.block_size
         self._pending_prefill += req.estimate
         self._to_compute(req, req.estimate)
         self._requests[request.request_id] = req
-        _insert_in_order(self._waiting, req, first_of_priority=False)
+        insert_in_order(self._waiting, req, first_of_priority=False)
         self.cache.arrived(request.request_id, request.key.block_hashes)
         self._load = None
         self._wake(now_s)
@@ -228,8 +158,8 @@ class EngineModel:
         if req is None or req.aborting:
             return False
         self._load = None
-        if req.state in (_WAITING, _HELD):
-            if req.state == _WAITING:
+        if req.state in (WAITING, HELD):
+            if req.state == WAITING:
                 self._waiting.remove(req)
             else:
                 self._held.remove(req)
@@ -275,7 +205,7 @@ class EngineModel:
     def generated_tokens(self, request_id: str, now_s: float) -> int:
         """Output tokens a running request has produced by ``now_s`` (for streaming)."""
         req = self._requests.get(request_id)
-        if req is None or req.state in (_WAITING, _HELD, _PREFILL):
+        if req is None or req.state in (WAITING, HELD, PREFILL):
             return 0
         counter = self._decode_steps
         stretch = self._stretch
@@ -327,7 +257,7 @@ class EngineModel:
         if self._held:
             self._release_held(now_s)
         budget = self.profile.max_batch_tokens - self._num_decoding
-        chunks: list[tuple[_Request, int]] = []
+        chunks: list[tuple[ModelRequest, int]] = []
         yield_above = self._yield_above(now_s)
         for req in self._prefilling:  # most urgent first
             if budget <= 0 or (yield_above is not None and req.spec.priority > yield_above):
@@ -346,7 +276,7 @@ class EngineModel:
             req = waiting[0]
             if req.hold is not None and self._blocked(req, now_s):
                 waiting.popleft()
-                req.state = _HELD
+                req.state = HELD
                 req.held_since = now_s
                 self._expect_hit(req)
                 self._held.append(req)
@@ -373,14 +303,14 @@ class EngineModel:
             attn, prefill = self._attn_s, self._prefill_s
             work = sum(n * (prefill + (r.num_computed + n / 2) * attn) for r, n in chunks)
             step_s = base_s + work + load_s
-            stretch = _Stretch(now_s, 1, step_s, 0.0, batch, chunks)
+            stretch = Stretch(now_s, 1, step_s, 0.0, batch, chunks)
         elif batch:
             decodes = self._decodes
-            while decodes[0][2].state != _DECODE:  # aborted ones leave their entries behind
+            while decodes[0][2].state != DECODE:  # aborted ones leave their entries behind
                 heapq.heappop(decodes)
             steps = decodes[0][0] - self._decode_steps
             growth = batch * self._kv_read_s
-            stretch = _Stretch(now_s, steps, base_s, growth, batch, chunks)
+            stretch = Stretch(now_s, steps, base_s, growth, batch, chunks)
         else:
             self._stretch = None
             return
@@ -421,7 +351,7 @@ class EngineModel:
         total = -(-(spec.prompt_tokens + spec.output_tokens) // self.block_size)
         return spec.priority if self.cache.fits(hashes, hit, total - hit) else None
 
-    def _complete(self, stretch: _Stretch) -> None:
+    def _complete(self, stretch: Stretch) -> None:
         """Apply the effects of a stretch that has ended."""
         self._load = None
         end_s = stretch.end_s
@@ -433,7 +363,7 @@ class EngineModel:
         first_tokens: list[FirstToken] = []
         completed = False
         for req, n in stretch.chunks:
-            if req.state != _PREFILL or req.aborting:
+            if req.state != PREFILL or req.aborting:
                 continue
             req.num_computed += n
             self._pending_prefill -= n
@@ -444,14 +374,14 @@ class EngineModel:
                 first_tokens.append(FirstToken(end_s, req.spec.request_id))
                 req.record.first_token_s = end_s
         if completed:
-            self._prefilling = [r for r in self._prefilling if r.state == _PREFILL]
-        ending: list[_Request] = [
-            req for req, _ in stretch.chunks if req.state == _DECODE and req.spec.output_tokens == 1
+            self._prefilling = [r for r in self._prefilling if r.state == PREFILL]
+        ending: list[ModelRequest] = [
+            req for req, _ in stretch.chunks if req.state == DECODE and req.spec.output_tokens == 1
         ]
         decodes = self._decodes
         while decodes and decodes[0][0] <= self._decode_steps:
             _, _, req = heapq.heappop(decodes)
-            if req.state == _DECODE:
+            if req.state == DECODE:
                 ending.append(req)
         finished: list[Finished] = []
         for req in ending:
@@ -490,7 +420,7 @@ class EngineModel:
         limit = (request.prompt_tokens - 1) // self.block_size
         return self.cache.match(request.key.block_hashes, limit).num_blocks
 
-    def _blocked(self, req: _Request, now_s: float) -> bool:
+    def _blocked(self, req: ModelRequest, now_s: float) -> bool:
         """Whether a held request must still wait for an in-flight prefix.
 
         Another request computes blocks [num_hit, len(key)) of its own key. Hashes chain, so it
@@ -509,21 +439,21 @@ class EngineModel:
         return False
 
     def _release_held(self, now_s: float) -> None:
-        released: list[_Request] = []
-        still_held: list[_Request] = []
+        released: list[ModelRequest] = []
+        still_held: list[ModelRequest] = []
         for req in self._held:
             (still_held if self._blocked(req, now_s) else released).append(req)
         if not released:
             return
         self._held = still_held
         for req in released:
-            req.state = _WAITING
+            req.state = WAITING
             req.record.held_s += now_s - req.held_since
         # They arrived before anything of their priority queued behind them while they were held.
         for req in reversed(released):
-            _insert_in_order(self._waiting, req, first_of_priority=True)
+            insert_in_order(self._waiting, req, first_of_priority=True)
 
-    def _admit(self, req: _Request, now_s: float) -> float:
+    def _admit(self, req: ModelRequest, now_s: float) -> float:
         """Reserve blocks and pin hits; the time to load its CPU and shared-tier blocks, or -1
         if it does not fit."""
         spec = req.spec
@@ -535,7 +465,7 @@ class EngineModel:
         if not self.cache.acquire(hashes, match.num_blocks, private):
             return -1
         self.cache.admitted(spec.request_id, hashes)
-        req.state = _PREFILL
+        req.state = PREFILL
         req.num_hit = match.num_blocks
         req.pins = list(hashes[: match.num_blocks])
         req.private_blocks = private
@@ -550,11 +480,11 @@ class EngineModel:
         self._pending_prefill += record.prefill_tokens - req.estimate
         req.estimate = 0
         self._to_compute(req, record.prefill_tokens)
-        _insert_in_order(self._prefilling, req, first_of_priority=False)
+        insert_in_order(self._prefilling, req, first_of_priority=False)
         self._active_kv_blocks += total
         return match.num_cpu_blocks * self._load_s + match.num_shared_blocks * self._shared_load_s
 
-    def _expect_hit(self, req: _Request) -> None:
+    def _expect_hit(self, req: ModelRequest) -> None:
         """``req`` is held for blocks another request is computing here: it is expected to
         hit them, so it counts only the rest of its prompt as pending (admission counts it
         exactly)."""
@@ -568,7 +498,7 @@ class EngineModel:
         req.estimate = estimate
         self._to_compute(req, estimate)
 
-    def _to_compute(self, req: _Request, tokens: int) -> None:
+    def _to_compute(self, req: ModelRequest, tokens: int) -> None:
         """``req`` has ``tokens`` of its prompt left to compute: the attention they will cost
         beyond the linear rate, as the router prices it, replaces what was counted for it."""
         if self._attn_s <= 0:
@@ -580,12 +510,12 @@ class EngineModel:
         if self._pending_prefill <= 0:  # nothing pending: no rounding left behind
             self._pending_attention_s = 0.0
 
-    def _prefill_done(self, req: _Request) -> None:
+    def _prefill_done(self, req: ModelRequest) -> None:
         spec = req.spec
         stored = self.cache.store(spec.key.block_hashes, req.num_hit)
         req.pins.extend(stored)
         req.private_blocks -= len(stored)
-        req.state = _DECODE
+        req.state = DECODE
         if spec.output_tokens > 1:
             req.context = spec.prompt_tokens + 1
             req.decode_start = self._decode_steps
@@ -595,12 +525,12 @@ class EngineModel:
             finish_at = self._decode_steps + spec.output_tokens - 1
             heapq.heappush(self._decodes, (finish_at, self._seq, req))
 
-    def _stop_decoding(self, req: _Request) -> None:
+    def _stop_decoding(self, req: ModelRequest) -> None:
         if req.spec.output_tokens > 1:
             self._num_decoding -= 1
             self._decode_context -= req.context + self._decode_steps - req.decode_start
 
-    def _finish(self, req: _Request, now_s: float, *, aborted: bool = False) -> Finished:
+    def _finish(self, req: ModelRequest, now_s: float, *, aborted: bool = False) -> Finished:
         spec = req.spec
         if req.reserved_blocks:
             if spec.finish_key is not None and not aborted:
@@ -609,7 +539,7 @@ class EngineModel:
                 req.private_blocks -= len(stored)
             self.cache.release(req.pins, req.private_blocks)
             self._active_kv_blocks -= req.reserved_blocks
-        req.state = _DONE
+        req.state = DONE
         req.record.finish_s = now_s
         req.record.aborted = aborted
         del self._requests[spec.request_id]
@@ -618,30 +548,13 @@ class EngineModel:
     def _drop_aborted(self, now_s: float) -> list[Finished]:
         finished: list[Finished] = []
         for req in self._aborting:
-            if req.state == _PREFILL:
+            if req.state == PREFILL:
                 self._pending_prefill -= req.spec.prompt_tokens - req.num_computed
                 self._to_compute(req, 0)
                 self._prefilling.remove(req)
-            elif req.state == _DECODE:
+            elif req.state == DECODE:
                 self._stop_decoding(req)
-            if req.state != _DONE:
+            if req.state != DONE:
                 finished.append(self._finish(req, now_s, aborted=True))
         self._aborting.clear()
         return finished
-
-
-def _insert_in_order(
-    queue: deque[_Request] | list[_Request], req: _Request, *, first_of_priority: bool
-) -> None:
-    """Put ``req`` in ``queue`` (by priority, lower first) after the requests of its priority, or
-    before them. With equal priorities (the common case) it goes to an end in O(1)."""
-    priority = req.spec.priority
-    if first_of_priority:
-        index = 0
-        while index < len(queue) and queue[index].spec.priority < priority:
-            index += 1
-    else:
-        index = len(queue)
-        while index > 0 and queue[index - 1].spec.priority > priority:
-            index -= 1
-    queue.insert(index, req)

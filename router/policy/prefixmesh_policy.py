@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
+from prefixmesh.cache_registry.hashing import shared_blocks
 from prefixmesh.cache_registry.types import BlockHash, PrefixHit, ReplicaId
 from prefixmesh.config import PrefixmeshPolicyConfig
 from prefixmesh.router.policy.affinity import AffinityGroups
@@ -384,7 +385,7 @@ class PrefixmeshPolicy:
                 del self._group_prompts[next(iter(self._group_prompts))]
         shared = len(hashes)
         for other in recent:
-            shared = _common_blocks(hashes, other, shared)
+            shared = shared_blocks(hashes, other, shared)
         recent.append(hashes)
         if len(recent) < 2 or shared < group_blocks:
             return None
@@ -581,16 +582,3 @@ class PrefixmeshPolicy:
         """Forget what it was computing; the ring follows the candidate list at the next
         hot-group decision."""
         self._in_flight.pop(replica, None)
-
-
-def _common_blocks(a: tuple[BlockHash, ...], b: tuple[BlockHash, ...], limit: int) -> int:
-    """Leading blocks two prompts share, up to ``limit``. Block hashes chain (each covers its
-    whole prefix), so block i is equal iff every block before it is: a binary search."""
-    low, high = 0, min(len(a), len(b), limit)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if a[middle - 1] == b[middle - 1]:
-            low = middle
-        else:
-            high = middle - 1
-    return low

@@ -49,20 +49,13 @@ of everyone, not this request's alone:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from itertools import compress
-from operator import is_not, itemgetter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from operator import itemgetter
 
 from prefixmesh.cache_registry.types import PrefixHit, ReplicaId
 from prefixmesh.router.policy.base import ReplicaCapacity, ReplicaSnapshot, RouteRequest
-
-_TINY_RATE = 1e-9
-"""Stands in for a zero or negative rate in a snapshot, so a broken report cannot divide by
-zero: such a replica just looks hopelessly slow."""
-_TINY_STEP_S = 1e-9
-"""Likewise for a zero step time next to an infinite prefill rate."""
+from prefixmesh.router.policy.ttft_terms import TINY_RATE, ReplicaTerms, candidate_costs
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +85,7 @@ def step_times(
     (1 when its KV reads are reported separately, more when they are not; ``DecodeCost``)."""
     budget = capacity.max_batch_tokens if capacity.max_batch_tokens > 0 else 1
     peak = capacity.prefill_tokens_per_s
-    token_s = 1.0 / (peak if peak > _TINY_RATE else _TINY_RATE)
+    token_s = 1.0 / (peak if peak > TINY_RATE else TINY_RATE)
     decode_step_s = (
         capacity.decode_step_s
         + running_requests * token_s * running_cost
@@ -171,7 +164,7 @@ class TtftModel:
         self.queue_externality = queue_externality
         self.running_cost = 1.0
         """Step time a running request adds, in token computes (set from ``DecodeCost``)."""
-        self._terms = _ReplicaTerms(min_prefill_share, queue_externality)
+        self._terms = ReplicaTerms(min_prefill_share, queue_externality)
         self._prepared: Sequence[ReplicaSnapshot] | None = None
 
     def prepare(self, replicas: Sequence[ReplicaSnapshot]) -> int:
@@ -326,254 +319,136 @@ class TtftModel:
         not hold itself (``with_shared``).
 
         What does not depend on the request (a replica's step times, queue wait, backlog) is
-        kept per snapshot object (``_ReplicaTerms``) and recomputed only for the snapshots that
-        are not the very objects of the previous call: adapters hand over the same frozen
-        snapshot while a replica's load is unchanged, and between two decisions only a few
-        replicas' loads change (the one just routed to, the reports that came in)."""
+        kept per snapshot object (``ReplicaTerms``, ``ttft_terms.py``) and recomputed only for
+        the snapshots that are not the very objects of the previous call: adapters hand over the
+        same frozen snapshot while a replica's load is unchanged, and between two decisions only
+        a few replicas' loads change (the one just routed to, the reports that came in)."""
         if replicas is self._prepared:
             terms, self._prepared = self._terms, None
         else:
             terms = self._terms.update(replicas, self.running_cost)
         prompt = request.prompt_tokens if request.prompt_tokens > 0 else 0
         least_uncached = 1 if prompt else 0  # vLLM always computes the last token
+        uncached_at, load_at, holders, any_speculative = self._held_by(
+            request, replicas, hits, terms.position, prompt, least_uncached
+        )
+        if credit is not None:
+            self._credit(request, credit, prompt, least_uncached, uncached_at, load_at)
+        if shared_blocks > 0:
+            load_at = self._from_shared(request, replicas, shared_blocks, uncached_at, load_at)
+        costs = candidate_costs(terms, uncached_at, load_at, prompt, 1.0 + work_price)
+        least_backlog_s = min(terms.backlogs) if replicas else 0.0
+        return CandidateEstimates(
+            list(terms.waits), costs, least_backlog_s, holders, any_speculative
+        )
+
+    def _held_by(
+        self,
+        request: RouteRequest,
+        replicas: Sequence[ReplicaSnapshot],
+        hits: Mapping[ReplicaId, PrefixHit],
+        position: Mapping[ReplicaId, int],
+        prompt: int,
+        least_uncached: int,
+    ) -> tuple[list[int], list[float] | None, list[Holder], bool]:
+        """What each candidate computes of the prompt given what it holds: (uncached tokens
+        per position, load seconds per position or None when nothing loads, the holders in
+        position order, whether any hit is speculative)."""
         count = len(replicas)
         uncached_at = [prompt] * count
         load_at: list[float] | None = None
         holders: list[Holder] = []
         any_speculative = False
-        if hits:
-            key_blocks = len(request.key.block_hashes)
-            block_size = self.block_size
-            cpu_discount = 1.0 - self.cpu_fallback_credit
-            position = terms.position
-            # Registry lookups hand every replica with the same row the same PrefixHit (on a
-            # hot prefix, dozens of holders share one or two): an all-GPU hit, whose uncached
-            # count does not depend on the replica, is worked out once per run of one object.
-            same_hit: PrefixHit | None = None
-            same_uncached = 0
-            for replica_id, hit in hits.items():
-                index = position.get(replica_id)
-                if index is None:
-                    continue
-                if hit is same_hit:
-                    holders.append((index, hit, same_uncached))
-                    uncached_at[index] = same_uncached
-                    continue
-                held_blocks = hit.num_blocks
-                if held_blocks <= 0:
-                    continue
-                _, cpu, disk = hit.blocks_by_tier
-                load_s = 0.0
-                shared = False
-                if disk or held_blocks > key_blocks or cpu > held_blocks:
-                    saved, load_s = self.held(hit, replicas[index].capacity, key_blocks)
-                    uncached = int(prompt - saved + 0.5)
-                elif not cpu:  # all in GPU memory: the common hit
-                    uncached = prompt - held_blocks * block_size
-                    shared = True
-                elif (cpu_load := replicas[index].capacity.cpu_load_s_per_block) > 0:
-                    uncached = prompt - held_blocks * block_size
-                    load_s = cpu * cpu_load
-                else:  # CPU blocks, credited (on this replica: another may load them)
-                    uncached = int(prompt - (held_blocks - cpu * cpu_discount) * block_size + 0.5)
-                if uncached < least_uncached:
-                    uncached = least_uncached
-                holders.append((index, hit, uncached))
-                if hit.num_speculative > 0:
-                    any_speculative = True
-                uncached_at[index] = uncached
-                if shared:
-                    same_hit, same_uncached = hit, uncached
-                if load_s:
-                    if load_at is None:
-                        load_at = [0.0] * count
-                    load_at[index] = load_s
-            if len(holders) > 1:
-                holders.sort(key=_position_of)
-        if credit is not None:
-            credit_blocks = min(credit[1], len(request.key.block_hashes))
-            credit_uncached = max(prompt - credit_blocks * self.block_size, least_uncached)
-            for index in credit[0]:
-                if uncached_at[index] > credit_uncached:
-                    uncached_at[index] = credit_uncached
-                    if load_at is not None:
-                        load_at[index] = 0.0
-        if shared_blocks > 0:
-            for index, snapshot in enumerate(replicas):
-                left, shared_load_s = self.with_shared(
-                    request, snapshot.capacity, uncached_at[index], shared_blocks
-                )
-                if shared_load_s > 0:
-                    uncached_at[index] = left
-                    if load_at is None:
-                        load_at = [0.0] * count
-                    load_at[index] += shared_load_s
-        priced = 1.0 + work_price
-        # One pass in a comprehension: the per-replica terms are folded so that the cost is
-        # linear in the tokens computed there, in one step (u <= chunk) or in chunks.
-        costs = [
-            fixed + u * (priced * token_s + delay)
-            if u <= chunk
-            else chunked + u * (per + priced * token_s)
-            for (chunk, fixed, token_s, delay, per, chunked), u in zip(
-                terms.cost_terms, uncached_at, strict=True
+        if not hits:
+            return uncached_at, load_at, holders, any_speculative
+        key_blocks = len(request.key.block_hashes)
+        block_size = self.block_size
+        cpu_discount = 1.0 - self.cpu_fallback_credit
+        # Registry lookups hand every replica with the same row the same PrefixHit (on a
+        # hot prefix, dozens of holders share one or two): an all-GPU hit, whose uncached
+        # count does not depend on the replica, is worked out once per run of one object.
+        same_hit: PrefixHit | None = None
+        same_uncached = 0
+        for replica_id, hit in hits.items():
+            index = position.get(replica_id)
+            if index is None:
+                continue
+            if hit is same_hit:
+                holders.append((index, hit, same_uncached))
+                uncached_at[index] = same_uncached
+                continue
+            held_blocks = hit.num_blocks
+            if held_blocks <= 0:
+                continue
+            _, cpu, disk = hit.blocks_by_tier
+            load_s = 0.0
+            shared = False
+            if disk or held_blocks > key_blocks or cpu > held_blocks:
+                saved, load_s = self.held(hit, replicas[index].capacity, key_blocks)
+                uncached = int(prompt - saved + 0.5)
+            elif not cpu:  # all in GPU memory: the common hit
+                uncached = prompt - held_blocks * block_size
+                shared = True
+            elif (cpu_load := replicas[index].capacity.cpu_load_s_per_block) > 0:
+                uncached = prompt - held_blocks * block_size
+                load_s = cpu * cpu_load
+            else:  # CPU blocks, credited (on this replica: another may load them)
+                uncached = int(prompt - (held_blocks - cpu * cpu_discount) * block_size + 0.5)
+            if uncached < least_uncached:
+                uncached = least_uncached
+            holders.append((index, hit, uncached))
+            if hit.num_speculative > 0:
+                any_speculative = True
+            uncached_at[index] = uncached
+            if shared:
+                same_hit, same_uncached = hit, uncached
+            if load_s:
+                if load_at is None:
+                    load_at = [0.0] * count
+                load_at[index] = load_s
+        if len(holders) > 1:
+            holders.sort(key=_position_of)
+        return uncached_at, load_at, holders, any_speculative
+
+    def _credit(
+        self,
+        request: RouteRequest,
+        credit: tuple[Sequence[int], int],
+        prompt: int,
+        least_uncached: int,
+        uncached_at: list[int],
+        load_at: list[float] | None,
+    ) -> None:
+        """A hot group's members computed as if they held its first blocks in GPU memory
+        (``uncached_at`` and ``load_at`` are the estimate's own lists, lowered in place)."""
+        credit_blocks = min(credit[1], len(request.key.block_hashes))
+        credit_uncached = max(prompt - credit_blocks * self.block_size, least_uncached)
+        for index in credit[0]:
+            if uncached_at[index] > credit_uncached:
+                uncached_at[index] = credit_uncached
+                if load_at is not None:
+                    load_at[index] = 0.0
+
+    def _from_shared(
+        self,
+        request: RouteRequest,
+        replicas: Sequence[ReplicaSnapshot],
+        shared_blocks: int,
+        uncached_at: list[int],
+        load_at: list[float] | None,
+    ) -> list[float] | None:
+        """Each replica that reads the shared tier loads from there what it does not hold
+        (``uncached_at`` lowered in place); returns the load seconds per position."""
+        for index, snapshot in enumerate(replicas):
+            left, shared_load_s = self.with_shared(
+                request, snapshot.capacity, uncached_at[index], shared_blocks
             )
-        ]
-        if load_at is not None:
-            costs = [cost + load for cost, load in zip(costs, load_at, strict=True)]
-        if prompt > terms.attention_above:  # attention adds to both the TTFT and the work
-            # ``prefill_attention_s``, inlined: (per pair, half the budget) per replica.
-            for index, (per_pair, half_budget) in enumerate(terms.attention):
-                if per_pair > 0:
-                    u = uncached_at[index]
-                    pairs = u * (prompt - 0.5 * u - half_budget)
-                    if pairs > 0:
-                        costs[index] += priced * per_pair * pairs
-        least_backlog_s = min(terms.backlogs) if count else 0.0
-        return CandidateEstimates(
-            list(terms.waits), costs, least_backlog_s, holders, any_speculative
-        )
+            if shared_load_s > 0:
+                uncached_at[index] = left
+                if load_at is None:
+                    load_at = [0.0] * len(replicas)
+                load_at[index] += shared_load_s
+        return load_at
 
 
 _position_of = itemgetter(0)
-
-CostTerms = tuple[float, float, float, float, float, float]
-"""One replica's request-independent terms, folded so that its cost for computing u tokens is
-``fixed + u * (price * token_s + delay)`` when u fits one step's chunk, else
-``chunked + u * (per_token + price * token_s)``: (chunk, fixed, token_s, delay, per_token,
-chunked), with fixed = wait + decode step, delay = waiting requests x queue externality x
-token_s, per_token = decode step / chunk, chunked = wait + delay x chunk."""
-
-
-class _ReplicaTerms:
-    """The request-independent part of every candidate's estimate, kept per snapshot object."""
-
-    __slots__ = (
-        "attention",
-        "attention_above",
-        "backlogs",
-        "cost_terms",
-        "ext",
-        "fleet_version",
-        "min_share",
-        "position",
-        "running_cost",
-        "snapshots",
-        "waits",
-    )
-
-    def __init__(self, min_share: float, ext: float) -> None:
-        self.min_share = min_share
-        self.ext = ext
-        self.running_cost = math.nan
-        self.snapshots: list[ReplicaSnapshot] = []
-        self.cost_terms: list[CostTerms] = []
-        self.waits: list[float] = []
-        self.backlogs: list[float] = []
-        self.position: dict[ReplicaId, int] = {}
-        self.fleet_version = 0
-        """Bumped whenever the candidates' ids or their order change."""
-        self.attention: list[tuple[float, float]] = []
-        """Per replica: its attention cost per pair and half its step budget
-        (``ReplicaCapacity.prefill_attention_s``)."""
-        self.attention_above = math.inf
-        """Only prompts longer than this can cost attention anywhere (the least half budget of
-        a replica that reports an attention cost; inf: none does), so short prompts skip it.
-        Never raised until the fleet changes."""
-
-    def update(self, replicas: Sequence[ReplicaSnapshot], running_cost: float) -> _ReplicaTerms:
-        known = self.snapshots
-        count = len(replicas)
-        if running_cost == self.running_cost and len(known) == count:
-            changed = list(compress(range(count), map(is_not, replicas, known)))
-            if not changed:
-                return self
-            if all(replicas[i].replica_id == known[i].replica_id for i in changed):
-                for index in changed:
-                    known[index] = replicas[index]
-                self._fill(changed)
-                return self
-        # Another running cost, fleet or order: start over.
-        ids = [s.replica_id for s in replicas]
-        if ids != [s.replica_id for s in known]:
-            self.fleet_version += 1
-        self.running_cost = running_cost
-        self.snapshots = list(replicas)
-        self.cost_terms = [_NO_TERMS] * count
-        self.waits = [0.0] * count
-        self.backlogs = [0.0] * count
-        self.attention = [(0.0, 0.0)] * count
-        self.position = {s.replica_id: i for i, s in enumerate(self.snapshots)}
-        self.attention_above = math.inf
-        self._fill(range(count))
-        return self
-
-    def _fill(self, indices: Iterable[int]) -> None:
-        """The terms of the snapshots at ``indices``: ``explain``'s step model, inlined (this
-        runs for every replica when the fleet changes, so no call per replica)."""
-        snapshots = self.snapshots
-        cost_terms, waits, backlogs = self.cost_terms, self.waits, self.backlogs
-        attention = self.attention
-        min_share, ext, running_cost = self.min_share, self.ext, self.running_cost
-        for index in indices:
-            snapshot = snapshots[index]
-            capacity = snapshot.capacity
-            rate = capacity.prefill_tokens_per_s
-            budget = capacity.max_batch_tokens
-            if not (rate > 0 and budget > 0):
-                capacity = _sane(snapshot).capacity  # a zero in a report: clamp, do not divide
-                rate, budget = capacity.prefill_tokens_per_s, capacity.max_batch_tokens
-            token_s = 1.0 / rate
-            running = snapshot.running_requests
-            decode_step_s = capacity.decode_step_s + running * running_cost * token_s
-            if capacity.kv_read_s_per_block:
-                decode_step_s += snapshot.active_kv_blocks * capacity.kv_read_s_per_block
-            chunk: float = budget - running
-            if chunk < min_share * budget:
-                chunk = min_share * budget
-            per_token = decode_step_s / chunk
-            pending = snapshot.pending_prefill_tokens
-            waiting = snapshot.queued_requests
-            if pending > 0:
-                backlog_s = pending * (token_s + per_token)
-                if snapshot.pending_attention_s > 0:
-                    backlog_s += snapshot.pending_attention_s
-                wait = 0.5 * decode_step_s + backlog_s
-                if waiting <= 0:
-                    waiting = 1  # a running prefill
-            else:
-                backlog_s = 0.0
-                wait = 0.5 * decode_step_s if running > 0 else 0.0
-                if waiting < 0:
-                    waiting = 0
-            delay = waiting * ext * token_s
-            cost_terms[index] = (
-                chunk,
-                wait + decode_step_s,
-                token_s,
-                delay,
-                per_token,
-                wait + delay * chunk,
-            )
-            waits[index] = wait
-            backlogs[index] = backlog_s
-            per_pair = capacity.attn_s_per_token_pair
-            attention[index] = (per_pair, 0.5 * budget)
-            if per_pair > 0 and 0.5 * budget < self.attention_above:
-                self.attention_above = 0.5 * budget
-
-
-_NO_TERMS: CostTerms = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-
-
-def _sane(snapshot: ReplicaSnapshot) -> ReplicaSnapshot:
-    capacity = snapshot.capacity
-    return replace(
-        snapshot,
-        capacity=replace(
-            capacity,
-            prefill_tokens_per_s=max(capacity.prefill_tokens_per_s, _TINY_RATE),
-            max_batch_tokens=max(capacity.max_batch_tokens, 1),
-            decode_step_s=max(capacity.decode_step_s, _TINY_STEP_S),
-        ),
-    )

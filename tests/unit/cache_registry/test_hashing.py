@@ -153,3 +153,15 @@ def test_chain_continues_from_a_parent() -> None:
     head = hasher.chain(None, list(range(8)))
     tail = hasher.chain(head[-1], list(range(8, 20)))
     assert head + tail == whole
+
+
+def test_shared_blocks_finds_the_boundary_of_two_chains_up_to_a_limit() -> None:
+    from prefixmesh.cache_registry.hashing import shared_blocks
+
+    a = (1, 2, 3, 4, 5, 6)
+    b = (1, 2, 3, 4, 9, 9, 9)
+    assert shared_blocks(a, b) == 4
+    assert shared_blocks(a, b, 3) == 3
+    assert shared_blocks(a, b, 10) == 4
+    assert shared_blocks(a, a, 0) == 0
+    assert shared_blocks(a, ()) == 0

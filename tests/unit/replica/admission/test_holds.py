@@ -56,7 +56,7 @@ async def test_a_hold_is_bounded_and_nothing_to_wait_for_returns_at_once() -> No
 
 
 def test_shared_blocks_and_the_longest_prefill() -> None:
-    from prefixmesh.replica.admission.holds import shared_blocks
+    from prefixmesh.cache_registry.hashing import shared_blocks
 
     assert shared_blocks(LONG.block_hashes, SIBLING.block_hashes) == 4
     assert shared_blocks(LONG.block_hashes, LONG.block_hashes) == 6

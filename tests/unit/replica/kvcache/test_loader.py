@@ -10,7 +10,7 @@ import torch
 
 from prefixmesh.cache_registry.types import BlockHash, Tier
 from prefixmesh.replica.kvcache.loader import BackgroundLoader
-from prefixmesh.replica.kvcache.planner import LoadJob, Prefetch, RequestLoad
+from prefixmesh.replica.kvcache.plan import LoadJob, Prefetch, RequestLoad
 
 JOBS = (LoadJob(BlockHash(1), Tier.CPU, 10), LoadJob(BlockHash(2), Tier.DISK, 11))
 

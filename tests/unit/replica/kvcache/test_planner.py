@@ -6,7 +6,7 @@ import pytest
 
 from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
 from prefixmesh.config import HotPrefixConfig
-from prefixmesh.replica.kvcache.planner import (
+from prefixmesh.replica.kvcache.plan import (
     DropJob,
     LoadCosts,
     LoadJob,
@@ -15,8 +15,8 @@ from prefixmesh.replica.kvcache.planner import (
     ShareJob,
     StoreJob,
     TierChange,
-    TierPlanner,
 )
+from prefixmesh.replica.kvcache.planner import TierPlanner
 from prefixmesh.replica.kvcache.policy import HotPrefixPolicy, LRUPolicy
 from prefixmesh.replica.kvcache.policy.base import BlockRef
 

@@ -5,15 +5,15 @@ worker reports them read."""
 from __future__ import annotations
 
 from prefixmesh.cache_registry.types import BlockHash, EventKind, Tier
-from prefixmesh.replica.kvcache.planner import (
+from prefixmesh.replica.kvcache.plan import (
     DropJob,
     LoadCosts,
     LoadJob,
     MoveJob,
     Prefetch,
     TierChange,
-    TierPlanner,
 )
+from prefixmesh.replica.kvcache.planner import TierPlanner
 from prefixmesh.replica.kvcache.policy import LRUPolicy
 from tests.unit.replica.kvcache.test_planner import chain, planner, store_all, store_each
 

@@ -13,14 +13,7 @@ from prefixmesh.cache_registry.types import BlockHash, Tier
 from prefixmesh.kernels.ops import PagedKVCache
 from prefixmesh.replica.kvcache.disk import DiskTier
 from prefixmesh.replica.kvcache.folders import block_path
-from prefixmesh.replica.kvcache.planner import (
-    DropJob,
-    LoadJob,
-    MoveJob,
-    Prefetch,
-    ShareJob,
-    StoreJob,
-)
+from prefixmesh.replica.kvcache.plan import DropJob, LoadJob, MoveJob, Prefetch, ShareJob, StoreJob
 from prefixmesh.replica.kvcache.store import TierStore, slot_runs
 
 B = BlockHash
