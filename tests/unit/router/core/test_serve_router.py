@@ -6,10 +6,8 @@ router's start nor its first decision (B4)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -163,21 +161,6 @@ async def test_an_avoided_replica_is_still_used_when_it_is_the_only_one() -> Non
     request = request_for(BLOCKS, avoid=("r1",))
     ranked = await router.choose_replicas([fake_replica("r1")], pending(request))
     assert ranked[0][0].replica_id.unique_id == "r1"
-
-
-@pytest.fixture
-async def silent_server() -> AsyncIterator[int]:
-    """A TCP server that accepts connections and never answers: a hung Redis."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    server = await asyncio.start_server(accept, "127.0.0.1", 0)
-    yield int(server.sockets[0].getsockname()[1])
-    for writer in held:
-        writer.close()
-    server.close()
 
 
 async def test_a_hung_registry_delays_neither_the_start_nor_the_first_decision(

@@ -3,9 +3,8 @@ SDK's in-memory exporter: no Ray cluster."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -209,21 +208,6 @@ def test_a_registry_timeout_is_the_decision_fallback_reason(memory: None) -> Non
     (route,) = spans_named("prefixmesh.route")
     assert route["attributes"]["prefixmesh.fallback_reason"] == "registry_timeout"
     assert route["attributes"]["prefixmesh.registry_lookup_ms"] == pytest.approx(6.0)
-
-
-@pytest.fixture
-async def silent_server() -> AsyncIterator[int]:
-    """A TCP server that accepts connections and never answers: a hung Redis."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    server = await asyncio.start_server(accept, "127.0.0.1", 0)
-    yield int(server.sockets[0].getsockname()[1])
-    for writer in held:
-        writer.close()
-    server.close()
 
 
 async def test_a_hung_registry_shows_as_a_registry_fallback(
