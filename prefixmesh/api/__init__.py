@@ -1,5 +1,5 @@
 """The OpenAI front door every prefixmesh server shares: the direct path's router
-(``router/front/route_server.py``) and replica (``replica/serving/openai_server.py``), the proxy
+(``router/front/route_server.py``) and replica (``replica/serving/direct_front.py``), the proxy
 path's ingress (``router/front/ingress.py``) and the standalone replica server
 (``replica/serving/standalone_server.py``).
 

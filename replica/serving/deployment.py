@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import CollectorRegistry
+
 from prefixmesh import tracing
 from prefixmesh.cache_registry.factory import make_hasher, make_registry
 from prefixmesh.cache_registry.protocol import CacheRegistry
@@ -413,6 +415,20 @@ class ReplicaCore:
         heartbeats every second, so an unreachable Redis, a refused password or another
         cluster's fingerprint shows within a second); the in-process registry is healthy."""
         return self._registry.health if self._registry is not None else HEALTHY
+
+    def unserved(self, request_id: str) -> None:
+        """A request the router sent here ended before the engine saw it (refused at the
+        door): the router counted it, so it hears that it ended (``generate`` reports the
+        requests that reached the engine)."""
+        if self.progress is not None:
+            self.progress.finished(request_id)
+
+    def runtime_registry(self) -> CollectorRegistry:
+        """GC pauses, loop lag and the engine's token intervals up to now (drained at the
+        call, not a second old): the direct path's ``/metrics`` renders it."""
+        if self.runtime is not None:
+            self.runtime.drain()
+        return self.runtime_metrics.registry
 
     async def check_health(self) -> None:
         """Serve replaces a replica whose check raises: a dead engine fails every request."""

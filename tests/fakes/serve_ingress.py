@@ -1,10 +1,12 @@
 """A Serve ingress deployment's FastAPI app in-process, without Ray: its routes, exception
 handlers and middleware as ``@serve.ingress`` left them, bound to an instance the test built
-through the deployment's own constructor with fakes (``build``; the proxy path's ingress), or,
-for a deployment whose constructor needs an engine or a handle's router, without it (``bind``).
+through the deployment's own constructor with fakes (``build``), or to any object with the
+attributes its routes read (``serve_as``: the direct path's replica, whose routes call its
+``DirectFront``).
 
 ``serve.ingress`` rewrites the class's routes to take ``self`` from
-``serve.get_replica_context().servable_object``; ``bind`` answers that with the test's instance.
+``serve.get_replica_context().servable_object``; ``serve_as`` answers that with the test's
+instance.
 """
 
 from __future__ import annotations
@@ -36,16 +38,6 @@ def build(monkeypatch: pytest.MonkeyPatch, deployment: type, *args: Any) -> Any:
     """An instance of ``deployment``'s own class made by its constructor with ``args`` (as
     Serve would call it), as the one its app's routes run on."""
     return serve_as(monkeypatch, user_class(deployment)(*args))
-
-
-def bind(monkeypatch: pytest.MonkeyPatch, deployment: type, **attributes: Any) -> Any:
-    """An instance of ``deployment``'s own class with ``attributes`` set, as the one its app's
-    routes run on."""
-    cls = user_class(deployment)
-    instance = cls.__new__(cls)
-    for name, value in attributes.items():
-        setattr(instance, name, value)
-    return serve_as(monkeypatch, instance)
 
 
 def spy(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[tuple[Any, ...]]:

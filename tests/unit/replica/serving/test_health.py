@@ -22,6 +22,7 @@ from prefixmesh.replica.engines.remote_engine import (
 from prefixmesh.replica.engines.vllm_engine import VllmEngine, VllmEngineSettings
 from prefixmesh.replica.events.publisher import EventPublisher
 from prefixmesh.replica.serving.deployment import ReplicaCore
+from tests.fakes.front_door import prepared_only
 from tests.unit.replica.conftest import eventually, sim_config
 
 R = ReplicaId("replica-a")
@@ -145,17 +146,16 @@ async def test_shutdown_drops_the_replica_from_a_shared_registry() -> None:
     assert registry.state.dropped.keys() == {R} and engine.shut_down
 
 
-async def test_health_through_the_front_door_says_why_the_registry_is_degraded() -> None:
+def test_health_through_the_front_door_says_why_the_registry_is_degraded() -> None:
     """On the direct path ``GET /health`` reaches a replica: it reports what its own registry
     client saw (here another cluster's fingerprint), not a blind "ok"."""
     from prefixmesh.cache_registry.redis_registry import RedisRegistry
-    from prefixmesh.replica.serving.openai_server import ReplicaHTTPServer
+    from prefixmesh.replica.serving.direct_front import DirectFront
 
-    replica = SimpleNamespace(_registry=None)  # what the endpoint uses of a replica
-    replica.registry_health = lambda: ReplicaCore.registry_health(replica)  # type: ignore[arg-type]
-    assert await ReplicaHTTPServer.health(replica) == {"status": "ok"}  # in-process registry
+    in_process = DirectFront(_server(_Engine(healthy=True)), prepared_only(), str)
+    assert in_process.health() == {"status": "ok"}
     registry = RedisRegistry(HASHER.fingerprint, "redis://127.0.0.1:9/0")
     registry._disabled_reason = "the registry holds another cluster's blocks"
-    replica._registry = registry
-    body = await ReplicaHTTPServer.health(replica)
+    replica = _server(_Engine(healthy=True), registry=registry)  # type: ignore[arg-type]
+    body = DirectFront(replica, prepared_only(), str).health()
     assert body["status"] == "degraded" and body["code"] == "fingerprint"

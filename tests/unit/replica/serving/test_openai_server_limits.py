@@ -2,30 +2,36 @@
 it is read or parsed, a prompt that cannot fit with 400 ``context_length_exceeded`` before it
 is tokenized (and one that tokenizes past the context after), ``max_tokens`` over the cap with
 400, a request past its time with 504 or an error event; and every error, 404 and 405
-included, is OpenAI JSON. Its FastAPI app runs in-process on an instance built without Serve
-(``tests/fakes/serve_ingress.py``), with a fake engine stream."""
+included, is OpenAI JSON. The deployment's FastAPI app runs in-process
+(``tests/fakes/serve_ingress.py``) over a ``DirectFront`` built through its constructor on a fake
+replica whose engine stream the tests choose."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
 
 from prefixmesh.api import prepare
+from prefixmesh.api.auth import ApiKeys
 from prefixmesh.api.limits import RequestLimits
 from prefixmesh.api.prepare import FrontDoor
 from prefixmesh.api.prompts import PromptEncoder
+from prefixmesh.api.quota import TenantQuotas
 from prefixmesh.api.request_metrics import DirectMetrics
 from prefixmesh.cache_registry.factory import make_hasher
+from prefixmesh.cache_registry.registry_health import HEALTHY, RegistryHealth
 from prefixmesh.config import load_config
 from prefixmesh.replica.serving import openai_server
-from prefixmesh.replica.serving.openai_server import ReplicaHTTPServer
+from prefixmesh.replica.serving.direct_front import DirectFront
 from prefixmesh.wire import GenerateChunk, GenerateRequest
-from tests.fakes.serve_ingress import bind, fast_tokenizer, spy
+from tests.fakes.serve_ingress import fast_tokenizer, serve_as, spy
 from tests.unit.api.test_errors import openai_error
 from tests.unit.router.core.test_metrics import samples
 
@@ -61,16 +67,65 @@ class _Engine:
             await asyncio.Event().wait()
 
 
+class _ServedReplica:
+    """The replica under the API: its engine stream (``_Engine``), and what it hears of
+    requests refused at the door."""
+
+    replica_id = "r1"
+
+    def __init__(self) -> None:
+        self.generate = _Engine()
+        self.unserved_ids: list[str] = []
+
+    def unserved(self, request_id: str) -> None:
+        self.unserved_ids.append(request_id)
+
+    def registry_health(self) -> RegistryHealth:
+        return HEALTHY
+
+    def runtime_registry(self) -> CollectorRegistry:
+        return CollectorRegistry()
+
+
 class Replica:
-    def __init__(self, server: Any, client: TestClient) -> None:
-        self.server = server
-        self.client = client
+    """The deployment's app over a ``DirectFront`` (rebuilt by ``serve`` with keys or
+    quotas)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, config: Any, tokenizer: Any) -> None:
+        self.engine = _ServedReplica()
+        encoder = PromptEncoder(tokenizer)
+        self._front = FrontDoor(
+            config.model,
+            RequestLimits.from_config(config, tokenizer),
+            encoder,
+            make_hasher(config),
+        )
+        self._decode = encoder.decode
+        self._deployment = serve_as(monkeypatch, SimpleNamespace())
+        self.serve()
+        self.client = TestClient(openai_server.api)
+
+    def serve(
+        self,
+        keys: ApiKeys | None = None,
+        quotas: TenantQuotas | None = None,
+        metrics: DirectMetrics | None = None,
+    ) -> None:
+        """The app's routes on a new front with these keys, quotas and metrics."""
+        self.http = DirectFront(
+            self.engine, self._front, self._decode, metrics=metrics, keys=keys, quotas=quotas
+        )
+        self._deployment.http = self.http
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._front.tokenizer
 
     def post(self, body: Any, path: str = "/v1/completions", **kwargs: Any) -> Any:
         return self.client.post(path, json=body, **kwargs)
 
     def statuses(self) -> dict[str, float]:
-        got = samples(self.server._metrics.render())
+        got = samples(self.http.metrics.render())
         return {
             labels[0][1]: v
             for (name, labels), v in got.items()
@@ -80,33 +135,15 @@ class Replica:
 
 @pytest.fixture
 def replica(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> Iterator[Replica]:
-    config = load_config(overrides=list(LIMITS))
-    encoder = PromptEncoder(tokenizer)
-    server = bind(
-        monkeypatch,
-        ReplicaHTTPServer,
-        config=config,
-        replica_id="r1",
-        runtime=None,
-        _front=FrontDoor(
-            config.model,
-            RequestLimits.from_config(config, tokenizer),
-            encoder,
-            make_hasher(config),
-        ),
-        _decode=encoder.decode,
-        _metrics=DirectMetrics(),
-        _created=0,
-        generate=_Engine(),
-    )
-    with TestClient(openai_server.api) as client:
-        yield Replica(server, client)
+    served = Replica(monkeypatch, load_config(overrides=list(LIMITS)), tokenizer)
+    with served.client:
+        yield served
 
 
 @pytest.fixture
 def work(monkeypatch: pytest.MonkeyPatch, replica: Replica) -> dict[str, list[Any]]:
     """The calls of the parser and the tokenizer, as the replica makes them."""
-    encoder = replica.server._front.tokenizer
+    encoder = replica.tokenizer
     return {
         "parse": spy(monkeypatch, prepare, "parse_body"),
         "encode": spy(monkeypatch, encoder, "encode"),
@@ -168,7 +205,7 @@ def test_a_prompt_that_tokenizes_past_the_context_is_400_too(
     error = openai_error(replica.post(chat, "/v1/chat/completions"), 400)
     assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
     assert parsed_and_tokenized(work) == (2, 2)
-    assert replica.server.generate.requests == []
+    assert replica.engine.generate.requests == []
 
 
 def test_max_tokens_over_the_cap_is_400_and_the_cap_bounds_a_chat_without_one(
@@ -180,7 +217,7 @@ def test_max_tokens_over_the_cap_is_400_and_the_cap_bounds_a_chat_without_one(
     assert parsed_and_tokenized(work) == (1, 0)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     assert replica.post(chat, "/v1/chat/completions").status_code == 200
-    (request,) = replica.server.generate.requests
+    (request,) = replica.engine.generate.requests
     assert request.sampling.max_tokens == 32  # not the rest of the 64-token context
 
 
@@ -203,10 +240,10 @@ def test_unknown_paths_methods_and_fields_are_openai_json(replica: Replica) -> N
 
 
 def test_a_request_past_its_time_is_504_or_ends_its_stream(replica: Replica) -> None:
-    replica.server.generate = _Engine(tokens=0, stall=True)  # no first token
+    replica.engine.generate = _Engine(tokens=0, stall=True)  # no first token
     error = openai_error(replica.post({"model": MODEL, "prompt": "hi"}), 504)
     assert (error["type"], error["code"]) == ("server_error", "timeout")
-    replica.server.generate = _Engine(tokens=1, stall=True)  # one token, then nothing
+    replica.engine.generate = _Engine(tokens=1, stall=True)  # one token, then nothing
     assert openai_error(replica.post({"model": MODEL, "prompt": "hi"}), 504)["code"] == "timeout"
     body = {"model": MODEL, "prompt": "hi", "stream": True}
     with replica.client.stream("POST", "/v1/completions", json=body) as response:
@@ -214,7 +251,7 @@ def test_a_request_past_its_time_is_504_or_ends_its_stream(replica: Replica) -> 
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert json.loads(events[0])["choices"][0]["text"] is not None
     assert json.loads(events[-2])["error"]["code"] == "timeout" and events[-1] == "[DONE]"
-    assert samples(replica.server._metrics.render())[("prefixmesh_stream_errors_total", ())] == 1
+    assert samples(replica.http.metrics.render())[("prefixmesh_stream_errors_total", ())] == 1
 
 
 def test_a_request_within_its_limits_is_served(replica: Replica) -> None:
@@ -234,7 +271,7 @@ def test_with_api_keys_a_request_without_one_is_refused_before_its_body_is_read(
 
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-alpha team-a\n")
-    replica.server._keys = ApiKeys(keys, ("/health", "/metrics"), 60.0)
+    replica.serve(keys=ApiKeys(keys, ("/health", "/metrics"), 60.0))
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     error = openai_error(replica.post(body), 401)
     assert error["code"] == "invalid_api_key"
@@ -243,16 +280,6 @@ def test_with_api_keys_a_request_without_one_is_refused_before_its_body_is_read(
     good = {"Authorization": "Bearer sk-alpha"}
     assert replica.post(body, headers=good).status_code == 200
     assert replica.client.get("/v1/models", headers=good).status_code == 200
-
-
-class _Progress:
-    """What the replica tells the router about requests it ends."""
-
-    def __init__(self) -> None:
-        self.finished_ids: list[str] = []
-
-    def finished(self, request_id: str) -> None:
-        self.finished_ids.append(request_id)
 
 
 def test_a_tenant_over_its_quota_gets_a_429_and_the_router_hears_the_request_ended(
@@ -268,12 +295,11 @@ def test_a_tenant_over_its_quota_gets_a_429_and_the_router_hears_the_request_end
 
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-alpha team-a\nsk-beta team-b\n")
-    server = replica.server
-    server._keys = ApiKeys(keys, ("/health", "/metrics"), 60.0)
     # A 5-token prompt fits once in a minute of 9.
     limits = QuotasConfig(window_s=60, tenants={"team-a": TenantQuota(tokens_per_minute=9)})
-    server._quotas = TenantQuotas(limits, MemoryQuotaStore(), 60.0, server._metrics)
-    server.progress = progress = _Progress()
+    metrics = DirectMetrics()
+    quotas = TenantQuotas(limits, MemoryQuotaStore(), 60.0, metrics)
+    replica.serve(ApiKeys(keys, ("/health", "/metrics"), 60.0), quotas, metrics)
     body = {"model": MODEL, "prompt": "alpha beta gamma delta", "max_tokens": 2}
     alpha = {"Authorization": "Bearer sk-alpha"}
     assert replica.post(body, headers=alpha).status_code == 200
@@ -282,9 +308,9 @@ def test_a_tenant_over_its_quota_gets_a_429_and_the_router_hears_the_request_end
     error = openai_error(refused, 429)
     assert (error["code"], error["type"]) == ("rate_limit_exceeded", "tokens")
     assert int(refused.headers["retry-after"]) >= 1
-    assert progress.finished_ids == ["cmpl-routed-1"]
+    assert replica.engine.unserved_ids == ["cmpl-routed-1"]
     assert replica.post(body, headers={"Authorization": "Bearer sk-beta"}).status_code == 200
-    got = samples(server._metrics.render())
+    got = samples(replica.http.metrics.render())
     assert got[("prefixmesh_quota_refusals_total", (("limit", "tokens"), ("tenant", "team-a")))]
     completion = (("kind", "completion"), ("tenant", "team-a"))
     assert got[("prefixmesh_tenant_tokens_total", completion)] == 2

@@ -1,20 +1,20 @@
 """The direct path's replica turns the router's ticket and its own key of the prompt into the
 engine request: the key it hashed travels as it is, the router's hold only to the replica the
-router chose, and no claim (the router releases its claims itself). No Serve, no HTTP."""
+router chose, and no claim (the router releases its claims itself). ``DirectFront`` built
+through its constructor over a fake replica; no Serve, no HTTP."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 from prefixmesh.api.prepare import PreparedRequest
 from prefixmesh.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from prefixmesh.api.request_metrics import DirectMetrics
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import ReplicaId
-from prefixmesh.replica.serving.openai_server import ReplicaHTTPServer
+from prefixmesh.replica.serving.direct_front import DirectFront
 from prefixmesh.wire import GenerateRequest, Hold, SamplingSettings
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
+from tests.fakes.front_door import prepared_only
 from tests.unit.router.core.test_metrics import samples
 
 ME = ReplicaId("replica-a")
@@ -33,17 +33,14 @@ def prepared(chat: bool = False) -> PreparedRequest:
     return PreparedRequest(body, chat, IDS, SAMPLING, KEY, tenant="team-a", priority=3)
 
 
-class _Replica(SimpleNamespace):
-    """What ``_request`` reads of the server (an instance of Serve's wrapper class would need
-    its loop to be collected)."""
+class _Replica:
+    """What ``_request`` reads of its replica: its id."""
 
-    def _request(self, *args: Any) -> GenerateRequest:
-        request: GenerateRequest = ReplicaHTTPServer._request(self, *args)
-        return request
+    replica_id = ME
 
 
-def server() -> Any:
-    return _Replica(replica_id=ME, _metrics=DirectMetrics())
+def server() -> DirectFront:
+    return DirectFront(_Replica(), prepared_only(), decode=str)  # type: ignore[arg-type]  # only its id is read
 
 
 def ticket(replica_id: str = ME, digest: str | None = None) -> RouteTicket:
@@ -60,7 +57,7 @@ def ticket(replica_id: str = ME, digest: str | None = None) -> RouteTicket:
 
 
 def counted(replica: Any, name: str) -> float:
-    return samples(replica._metrics.render()).get((name, ()), 0.0)
+    return samples(replica.metrics.render()).get((name, ()), 0.0)
 
 
 def test_the_router_s_decision_and_the_replica_s_key_make_the_request() -> None:
