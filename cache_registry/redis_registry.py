@@ -46,6 +46,7 @@ from prefixmesh.cache_registry.types import (
     RegistryStats,
     ReplicaId,
 )
+from prefixmesh.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -158,9 +159,7 @@ class RedisRegistry:
     async def close(self) -> None:
         self._closing = True
         if self._verifying is not None and not self._verifying.done():
-            self._verifying.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._verifying
+            await cancel_and_wait(self._verifying)
         if self._listener is not None:
             try:
                 await asyncio.wait_for(self._listener, 2.0)

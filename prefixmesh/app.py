@@ -6,7 +6,7 @@ deployment calls the replicas through a handle whose request router is ours).
 
 ``build_app(config)`` for Python; ``app_builder`` for Serve configs
 (``import_path: prefixmesh.app:app_builder`` with ``args: {config: FILE, overrides: [...]}``).
-This module and the CLI are the two that may import every package.
+This module and the CLI (``cli.py``, ``serve_cli.py``) are the ones that may import every package.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Start a Ray instance of our own on 127.0.0.1 (DESIGN.md §7: nothing listens beyond loopback).
+"""Start a Ray instance of our own on 127.0.0.1 (docs/design.md §7: nothing listens beyond
+loopback).
 
 One place for the settings every local start needs: the node address pinned to loopback, no
 dashboard, no usage reporting, the driver's logs kept out of the caller's output, the variable

@@ -52,7 +52,7 @@ def main(argv: list[str], prog: str = "serve") -> int:
     warning = registry_warning(config)
     if warning:
         print(f"{prog}: WARNING: {warning}", file=sys.stderr, flush=True)
-    # Ray listens and dials on 127.0.0.1 only when every process has this (DESIGN.md §7), and
+    # Ray listens and dials on 127.0.0.1 only when every process has this (docs/design.md §7), and
     # Serve reads its HAProxy settings at import: set before Ray is imported, inherited by
     # everything it starts.
     haproxy_dir = configure_environment(None if config.ray.address else config.serving)

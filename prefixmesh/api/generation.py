@@ -54,8 +54,6 @@ class Generation:
         proxy path's ingress takes it from the state it shares with the request router),
         called once, when the first output or the failure before it arrives."""
         self._stream = stream
-        self.request = request
-        """What was sent."""
         self.ticket: RouteTicket | None = request.ticket if request is not None else None
         """The routing decision: the request's own, or what ``routed`` returned."""
         self._routed = routed

@@ -24,7 +24,8 @@ from prefixmesh.api.limits import BodySource, RequestLimits
 from prefixmesh.api.priority import request_priority
 from prefixmesh.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from prefixmesh.cache_registry.types import PrefixKey
-from prefixmesh.wire import SamplingSettings
+from prefixmesh.wire import GenerateRequest, SamplingSettings
+from prefixmesh.wire.route_ticket import RouteTicket
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 _CHAT_KEYS = (b'"messages"',)
@@ -95,6 +96,26 @@ class PreparedRequest:
 
     def stop_strings(self) -> list[str]:
         return self.body.stop_strings()
+
+    def engine_request(
+        self,
+        request_id: str,
+        *,
+        ticket: RouteTicket | None = None,
+        trace_context: Mapping[str, str] | None = None,
+    ) -> GenerateRequest:
+        """What a replica's engine is asked (``wire.GenerateRequest``): this prompt, its key,
+        sampling, tenant and priority, under ``request_id`` and the routing decision."""
+        return GenerateRequest(
+            request_id,
+            self.prompt_token_ids,
+            self.key,
+            self.sampling,
+            ticket=ticket,
+            trace_context=trace_context,
+            tenant=self.tenant,
+            priority=self.priority,
+        )
 
 
 @dataclass(frozen=True, slots=True)

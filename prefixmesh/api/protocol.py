@@ -1,4 +1,5 @@
-"""The OpenAI API surface the ingress accepts: request models, and errors as OpenAI JSON.
+"""The OpenAI API surface the servers accept: the request models and their parsing (the
+errors are ``errors.py``'s).
 
 Status codes: malformed JSON 400 (an integer past Python's 4,300 digits and nesting past its
 recursion limit included); a string that is not Unicode text (a lone surrogate, ``"\\ud800"``,

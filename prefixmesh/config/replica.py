@@ -24,7 +24,8 @@ class FairShareConfig(Section):
     before a request, with its own, for it to start (alone, any prompt starts): about four of
     the engine's steps (vLLM's ``max_num_batched_tokens`` is 2048 on small devices; scale it
     with yours), so the engine never starves between requests. Smaller keeps a saturating
-    tenant's backlog out of the engine at the cost of its throughput (``docs/BENCHMARKS.md``)."""
+    tenant's backlog out of the engine at the cost of its throughput
+    (``docs/benchmarks-log.md``)."""
     output_weight: float = Field(default=2.0, ge=0)
     """What a generated token costs a tenant's counter, a prompt token costing 1 (VTC's)."""
     idle_credit_tokens: int = Field(default=4096, ge=0)
@@ -48,7 +49,7 @@ class ReplicaConfig(Section):
     to the nodes that offer them, e.g. GPU workers, never the head."""
     max_ongoing_requests: int = Field(default=64, ge=1)
     """Serve's per-replica concurrency cap; set from the engine's real concurrency (Serve's
-    default of 5 throttles a batching engine to a crawl, DESIGN.md §7)."""
+    default of 5 throttles a batching engine to a crawl, docs/design.md §7)."""
     model_path: str | None = None
     """A Hugging Face model folder; None serves the demo model (generated on first use)."""
     demo_model_size: Literal["tiny", "small"] = "tiny"

@@ -67,7 +67,7 @@ class ServingConfig(Section):
     """Largest request body HAProxy buffers for the router; a longer body is refused with 413
     rather than routed on a truncated prompt. It sets HAProxy's ``tune.bufsize``, the size of
     every buffer it allocates, and retries need one per request: 8 MiB (Ray's default) cost
-    about 5 ms per request here, 1 MiB under 1 ms (docs/BENCHMARKS.md). 1 MiB is about 250K
+    about 5 ms per request here, 1 MiB under 1 ms (docs/benchmarks-log.md). 1 MiB is about 250K
     tokens of text."""
     retry_on: str = "conn-failure empty-response 503"
     """HAProxy's ``retry-on``: a replica that dies before answering (it sends nothing before

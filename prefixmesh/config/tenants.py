@@ -11,7 +11,7 @@ API_KEYS_ENV = "PREFIXMESH_API_KEYS"
 
 
 class AuthConfig(Section):
-    """API keys (``prefixmesh/wire/auth.py``): off unless ``api_keys_file`` or the variable
+    """API keys (``prefixmesh/api/auth.py``): off unless ``api_keys_file`` or the variable
     ``api_keys_env`` names is set."""
 
     api_keys_file: str | None = None
@@ -52,7 +52,7 @@ class TenantQuota(Section):
 
 
 class QuotasConfig(Section):
-    """Token quotas per tenant (``prefixmesh/wire/quota.py``): off while every limit is 0.
+    """Token quotas per tenant (``prefixmesh/api/quota.py``): off while every limit is 0.
 
     The tenant is the one the request's API key names (``auth``); without keys every request
     belongs to ``anonymous``. Counted across the cluster in the registry's Redis (one atomic

@@ -58,6 +58,16 @@ class ReplicaCapacity:
     matters on long prompts (a 191k-token prompt takes ~4x its linear estimate on an H100).
     0 when unknown: a prefill is then estimated linear in its tokens."""
 
+    def __post_init__(self) -> None:
+        # At least one block: shares of it are taken (a replica reports 0 before it knows).
+        if self.kv_blocks < 1:
+            object.__setattr__(self, "kv_blocks", 1)
+
+    def usable(self) -> bool:
+        """Whether every time and rate is a finite number (a measurement that divided by
+        zero is not)."""
+        return all(math.isfinite(getattr(self, f.name)) for f in fields(self) if f.type == "float")
+
     def prefill_attention_s(self, prompt_tokens: int, uncached: int) -> float:
         """Prefill attention beyond the linear rate (``extra_attention_pairs`` at this
         replica's cost per pair; 0 when it reports none)."""
@@ -80,8 +90,7 @@ class ReplicaCapacity:
                 prefill_tokens_per_s=_finite(raw["prefill_tokens_per_s"]),
                 decode_step_s=_finite(raw["decode_step_s"]),
                 max_batch_tokens=int(raw["max_batch_tokens"]),
-                # At least one: shares of it are taken (a replica reports 0 before it knows).
-                kv_blocks=max(1, int(raw["kv_blocks"])),
+                kv_blocks=int(raw["kv_blocks"]),
                 tp_degree=int(raw.get("tp_degree", 1)),
                 cpu_load_s_per_block=_finite(raw.get("cpu_load_s_per_block", 0.0)),
                 disk_load_s_per_block=_finite(raw.get("disk_load_s_per_block", 0.0)),

@@ -241,6 +241,8 @@ class RemoteEngine:
         self.kv_blocks = int(info["kv_blocks"])
         self._last_heard = self._clock()
         self._capacity = ReplicaCapacity.from_wire(info["capacity"])  # read once, here
+        if self._capacity is None:
+            raise RuntimeError(f"replica server {self.url} reports no readable capacity")
         self._events_task = asyncio.get_running_loop().create_task(self._follow_events())
         logger.info("remote engine %s: %d KV blocks", self.url, self.kv_blocks)
 

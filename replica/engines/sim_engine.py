@@ -188,7 +188,7 @@ class SimEngine:
             prefill_tokens_per_s=profile.prefill_tokens_per_s(tp) / scale,
             decode_step_s=profile.decode_step_s(1, 0, tp) * scale,
             max_batch_tokens=profile.max_batch_tokens,
-            kv_blocks=max(1, self.kv_blocks),  # at least one: shares of it are taken
+            kv_blocks=self.kv_blocks,
             tp_degree=tp,
             cpu_load_s_per_block=profile.cpu_load_s_per_block * scale,
             attn_s_per_token_pair=profile.attn_s_per_token_ctx / profile.tp_speedup(tp) * scale,

@@ -8,7 +8,6 @@ loopback port and vLLM's publisher connects to it (vLLM connects, not binds, to 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import tempfile
@@ -31,6 +30,7 @@ from prefixmesh.replica.engines.base import (
 from prefixmesh.replica.engines.calibration import CALIBRATION_RUNS, CalibrationRun, fastest
 from prefixmesh.replica.events.kv_events import VllmEventStream, VllmEventTranslator
 from prefixmesh.replica.kvcache.waiting_channel import NoticeSender
+from prefixmesh.tasks import cancel_and_wait
 from prefixmesh.wire import ReplicaCapacity
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ class VllmEngine:
         s = self.settings
         if s.cpu_core is not None:
             # Read by the engine worker when it spawns: one core per replica, or every engine
-            # on this machine binds to core 0 (DESIGN.md §7).
+            # on this machine binds to core 0 (docs/design.md §7).
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(s.cpu_core)
         endpoint = self._listen_for_events()
         args = self._engine_args(endpoint, self._transfer_config())
@@ -337,7 +337,7 @@ class VllmEngine:
             prefill_tokens_per_s=self._prefill_tokens_per_s,
             decode_step_s=self._decode_step_s,
             max_batch_tokens=s.max_num_batched_tokens,
-            kv_blocks=max(1, self.kv_blocks),  # at least one: shares of it are taken
+            kv_blocks=self.kv_blocks,
             tp_degree=s.tensor_parallel_size,
             shared_load_s_per_block=self._shared_load_s_per_block(),
         )
@@ -384,10 +384,7 @@ class VllmEngine:
             self._engine = None
 
     async def shutdown(self) -> None:
-        if self._events_task is not None:
-            self._events_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._events_task
+        await cancel_and_wait(self._events_task)
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None

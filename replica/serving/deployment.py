@@ -1,7 +1,7 @@
 """The replica: a Ray Serve deployment around one ``Engine`` (one data-parallel rank).
 
 It streams tokens, holds delay-hit requests while their prefix is being computed here
-(``holds.py``), publishes its cache events (to Redis, or to the ingress that keeps the
+(``admission/holds.py``), publishes its cache events (to Redis, or to the ingress that keeps the
 in-process registry), and reports its load for routing (a ``ReplicaReport``, which Serve polls
 through ``record_routing_stats``).
 """
@@ -358,9 +358,10 @@ class ReplicaCore:
         return FairTicket(request.request_id, request.tenant, request.priority, work)
 
     def capacity(self) -> ReplicaCapacity | None:
-        """The engine's capacity (None if it reports none it knows)."""
+        """The engine's capacity (None if it reports none it knows, or one with a time or
+        rate that is not a finite number)."""
         capacity: ReplicaCapacity | None = self.engine.capacity()
-        return capacity
+        return capacity if capacity is not None and capacity.usable() else None
 
     def report(self) -> ReplicaReport:
         """Load for routing, plus counters for tests and benchmarks."""

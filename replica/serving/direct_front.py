@@ -265,21 +265,12 @@ class DirectFront:
         The router keyed the same body with the same tokenizer and hasher: comparing its key's
         digest with ours is the check (a mismatch means the two disagree, and routing is
         blind)."""
-        ids, key, sampling = prepared.prompt_token_ids, prepared.key, prepared.sampling
-        tenant, priority = prepared.tenant, prepared.priority
         if ticket is None:
             self.metrics.unrouted.inc()
-            request_id = new_request_id(prepared.chat)
-            return GenerateRequest(
-                request_id,
-                ids,
-                key,
-                sampling,
-                trace_context=trace_context,
-                tenant=tenant,
-                priority=priority,
+            return prepared.engine_request(
+                new_request_id(prepared.chat), trace_context=trace_context
             )
-        if ticket.key_digest and ticket.key_digest != key_digest(key):
+        if ticket.key_digest and ticket.key_digest != key_digest(prepared.key):
             self.metrics.key_mismatches.inc()
             logger.warning("request %s: the router keyed another prompt", ticket.request_id)
         mine = ticket.replica_id == self._replica.replica_id
@@ -287,15 +278,8 @@ class DirectFront:
             self.metrics.redispatched.inc()
             # A hold (and the blocks it matched) was meant for the replica the router chose.
             ticket = dataclasses.replace(ticket, hold=None, matched_blocks=0)
-        return GenerateRequest(
-            ticket.request_id,
-            ids,
-            key,
-            sampling,
-            ticket=ticket,
-            trace_context=trace_context,
-            tenant=tenant,
-            priority=priority,
+        return prepared.engine_request(
+            ticket.request_id, ticket=ticket, trace_context=trace_context
         )
 
     def _stream_failed(self, request_id: str) -> Any:

@@ -8,12 +8,12 @@ Together they say where a stream's gap came from (``prefixmesh stream-bench``): 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from prefixmesh.metrics.runtime import RuntimeMetrics
 from prefixmesh.pauses import GcPauseRecorder, freeze_startup_heap, sample_loop_lag
 from prefixmesh.replica.engines.base import Engine
+from prefixmesh.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,5 @@ class RuntimeWatch:
     async def stop(self) -> None:
         self._gc.uninstall()
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._tasks = []

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -46,6 +47,7 @@ from prefixmesh.api.prompts import PromptEncoder
 from prefixmesh.api.render import REPLICA_HEADER, collect, full_body, model_list, sse_events
 from prefixmesh.api.word_vocabulary import Vocabulary, fast_encode, word_lookup
 from prefixmesh.cache_registry.factory import make_hasher
+from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
 from prefixmesh.replica.serving.engine_server import EngineHost, engine_routes
@@ -71,6 +73,17 @@ class PromptTokenizer(PromptEncoder):
             if fast is not None:
                 return fast
         return await super().encode(prompt)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unkeyed:
+    """The front door's hasher for a server whose engine takes no key: every prompt's key is
+    empty, and hashing costs nothing on this CPU-bound path."""
+
+    block_size: int
+
+    def hash_tokens(self, token_ids: Sequence[int]) -> PrefixKey:
+        return PrefixKey((), self.block_size)
 
 
 class _EngineStream:
@@ -129,7 +142,9 @@ class ReplicaService:
         self.fingerprint = hasher.fingerprint.to_json()
         self.max_model_len = config.replica.vllm.max_model_len
         limits = RequestLimits.from_config(config, tokenizer.hf)
-        self.front = FrontDoor(config.model, limits, tokenizer, hasher, "this replica")
+        # The router in front of this server keys prompts itself; its engine needs no key.
+        unkeyed = _Unkeyed(hasher.block_size)
+        self.front = FrontDoor(config.model, limits, tokenizer, unkeyed, "this replica")
         self.started = time.time()
 
     @property

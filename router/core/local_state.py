@@ -13,12 +13,12 @@ the lock (the metrics excepted: they lock themselves).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from prefixmesh.cache_registry.memory import RegistryState
-from prefixmesh.cache_registry.types import ReplicaId
+from prefixmesh.cache_registry.types import CacheEvent, PublishResult, ReplicaId
 from prefixmesh.router.core.ledger import LoadLedger
 from prefixmesh.router.core.metrics import RouterMetrics
 from prefixmesh.wire import ReplicaReport, RouteTicket
@@ -112,6 +112,23 @@ class LocalRouterState:
         """A replica left: its reports go (caller holds the lock)."""
         self._reports.pop(replica, None)
         self._applied.pop(replica, None)
+
+    def publish(self, events: Sequence[CacheEvent]) -> list[PublishResult]:
+        """The in-process registry takes replicas' cache events (it takes the lock)."""
+        with self.lock:
+            return self.registry.publish(events)
+
+    def registry_replicas(self) -> list[str]:
+        """The replicas the in-process registry has entries for (it takes the lock)."""
+        with self.lock:
+            return sorted(self.registry.sequences)
+
+    def metrics_now(self) -> RouterMetrics:
+        """The router's metrics with the ledger's requests on their way counted now (it
+        takes the lock)."""
+        with self.lock:
+            self.metrics.ongoing.set(len(self.ledger))
+        return self.metrics
 
     def replica_stats(self) -> list[dict[str, Any]]:
         """Every replica's latest report in its wire form, with its id (polled by Serve; for

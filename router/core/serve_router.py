@@ -5,7 +5,7 @@ every call on the replica handle. For a ``GenerateRequest`` it hands the candida
 latest reports (Serve's dicts, converted once each: ``LocalRouterState.report``) to
 ``RoutingCore`` (``decide.py``: registry lookup, policy, hold, claim, speculative entries) and
 maps the ranking back to Serve's replicas. Any error falls back to power of two: an exception
-inside a request router would hang the request (DESIGN.md §7), so nothing escapes. A retried
+inside a request router would hang the request (docs/design.md §7), so nothing escapes. A retried
 request names the replicas that failed it (``avoid_replicas``); they are left out while any
 other candidate remains. Every decision lands in ``RouterMetrics``.
 
@@ -83,7 +83,7 @@ class PrefixmeshRequestRouter(ServeRequestRouter):
         if not candidate_replicas:
             return []
         if pending_request is not None and any(
-            isinstance(a, LoadBalanced) for a in pending_request.args
+            isinstance(a, LoadBalanced) for a in pending_arguments(pending_request)
         ):
             return self._less_loaded_of_two(candidate_replicas)
         request = _generate_request(pending_request)

@@ -74,7 +74,7 @@ class RequestTrace(NoRequestTrace):
         self._span.add_event("retry", {"phase": phase, "error": type(exc).__name__})
 
     def answered(self, generation: Any, retries: int) -> None:
-        """The first token is in (``generation``: ``wire.generation.Generation``)."""
+        """The first token is in (``generation``: ``api.generation.Generation``)."""
         if not self._span.is_recording():
             return
         ticket = generation.ticket

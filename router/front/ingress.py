@@ -137,10 +137,7 @@ class IngressServer:
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        router = self._local.metrics
-        with self._local.lock:
-            router.ongoing.set(len(self._local.ledger))
-        body = self._metrics.render(router.registry)
+        body = self._metrics.render(self._local.metrics_now().registry)
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4")
 
     # ---- generation ------------------------------------------------------------------------
@@ -194,24 +191,13 @@ class IngressServer:
         """``context.deadline``: the event loop's time the request must end by (retries,
         streams)."""
         request_id, deadline = context.request_id, context.deadline
-        generate = GenerateRequest(
-            request_id,
-            prepared.prompt_token_ids,
-            prepared.key,
-            prepared.sampling,
-            trace_context=trace.carrier,
-            tenant=prepared.tenant,
-            priority=prepared.priority,
-        )
+        generate = prepared.engine_request(request_id, trace_context=trace.carrier)
         stop = prepared.stop_strings()
         started_s = time.monotonic()
 
         def start(avoid: tuple[str, ...], attempt: int) -> Generation:
-            # A retry is a fresh request: no hold or decision of the failed attempt carries
-            # over, and its trace context is the request span's again (the router replaced it).
-            request = (
-                retry_request(generate, attempt, avoid, trace.carrier) if attempt else generate
-            )
+            # A retry is a fresh request under a new id, decided afresh.
+            request = retry_request(generate, attempt, avoid) if attempt else generate
             return self._start(request, stop, started_s)
 
         def retried(phase: str, exc: BaseException) -> None:
@@ -337,8 +323,7 @@ class IngressServer:
 
     async def ingest_cache_events(self, events: list[CacheEvent]) -> list[PublishResult]:
         """In-process registry mode: replicas send their cache events here."""
-        with self._local.lock:
-            return self._local.registry.publish(events)
+        return self._local.publish(events)
 
     @api.get("/admin/registry")
     async def registry_replicas(self) -> dict[str, Any]:
@@ -346,9 +331,7 @@ class IngressServer:
         Redis the registry is shared and inspected there): for tests and operators."""
         if self.config.registry.backend != "memory":
             return {"backend": self.config.registry.backend, "replicas": None}
-        with self._local.lock:
-            replicas = sorted(self._local.registry.sequences)
-        return {"backend": "memory", "replicas": replicas}
+        return {"backend": "memory", "replicas": self._local.registry_replicas()}
 
     @api.get("/admin/traces")
     async def traces(self) -> list[dict[str, Any]]:

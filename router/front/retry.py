@@ -52,20 +52,13 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 def retry_request(
-    original: GenerateRequest,
-    attempt: int,
-    avoid: tuple[str, ...],
-    trace_context: dict[str, str] | None,
+    original: GenerateRequest, attempt: int, avoid: tuple[str, ...]
 ) -> GenerateRequest:
-    """The request to send again: a new id, the replicas to avoid, and no decision of the
-    failed attempt's (a hold there would bind the retry to the failed replica's prefill)."""
-    return dataclasses.replace(
-        original,
-        request_id=f"{original.request_id}-retry{attempt}",
-        avoid_replicas=avoid,
-        ticket=None,
-        trace_context=trace_context,
-    )
+    """The request to send again: a new id and the replicas to avoid, with no decision (the
+    request router decides it afresh; a hold of the failed attempt's would bind the retry to
+    the failed replica's prefill)."""
+    request_id = f"{original.request_id}-retry{attempt}"
+    return dataclasses.replace(original, request_id=request_id, avoid_replicas=avoid, ticket=None)
 
 
 class Startable(Protocol):

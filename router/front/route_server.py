@@ -124,13 +124,7 @@ class RouterServer:
             prepared = await self._front.prepare(raw, chat)
         except APIError:
             return None
-        return GenerateRequest(
-            new_request_id(chat),
-            prepared.prompt_token_ids,
-            prepared.key,
-            prepared.sampling,
-            trace_context=trace_context,
-        )
+        return prepared.engine_request(new_request_id(chat), trace_context=trace_context)
 
     async def _choose(
         self,
@@ -199,10 +193,7 @@ class RouterServer:
 
     async def router_metrics(self) -> str:
         """The router's Prometheus exposition (decisions, lookups, holds, load it saw)."""
-        router = self._local.metrics
-        with self._local.lock:
-            router.ongoing.set(len(self._local.ledger))
-        return router.render()
+        return self._local.metrics_now().render()
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
@@ -230,15 +221,12 @@ class RouterServer:
 
     async def ingest_cache_events(self, events: list[CacheEvent]) -> list[PublishResult]:
         """In-process registry mode: replicas send their cache events here."""
-        with self._local.lock:
-            return self._local.registry.publish(events)
+        return self._local.publish(events)
 
     async def registry_replicas(self) -> dict[str, Any]:
         if self.config.registry.backend != "memory":
             return {"backend": self.config.registry.backend, "replicas": None}
-        with self._local.lock:
-            replicas = sorted(self._local.registry.sequences)
-        return {"backend": "memory", "replicas": replicas}
+        return {"backend": "memory", "replicas": self._local.registry_replicas()}
 
     async def replica_endpoints(self) -> list[tuple[str, int]]:
         """Each replica's own HTTP address (benchmarks compare the full path with it)."""

@@ -1,4 +1,4 @@
-"""The package layering of DESIGN.md §4, checked on the source: production code never imports
+"""The package layering of docs/design.md §4, checked on the source: production code never imports
 loadtest/ (workloads, simulators, benchmark CLIs), router/ and replica/ never import each other,
 and only the two top modules (and the ``serve`` CLI) import every package."""
 

@@ -1,6 +1,6 @@
 """Adaptive (issue 18): follow whichever candidate policy would have hit most lately.
 
-No one policy wins everywhere (docs/BENCHMARKS.md, issue 18): LRU on the Mooncake trace and on
+No one policy wins everywhere (docs/benchmarks-log.md, issue 18): LRU on the Mooncake trace and on
 multiturn chats, HotPrefix and LFU on few-shot prompts, LFU with lower tiers. So the adaptive
 policy runs the candidates side by side, as ARC adapts between recency and frequency, but
 scored by simulation:

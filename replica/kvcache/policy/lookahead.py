@@ -17,7 +17,7 @@ at most ``max_queued`` requests are tracked (later ones are ignored until earlie
 A needed block the wrapped policy's scan passes over (its least recent blocks, where a
 waiting request's blocks drift while it waits) is marked used then, so the next scans do not
 meet it again; an eviction costs the wrapped policy's plus, in case 2, a heap pop
-(docs/BENCHMARKS.md: the cost per eviction).
+(docs/benchmarks-log.md: the cost per eviction).
 
 Pure like every policy: the cache that owns the queue calls ``queued`` when a request arrives
 and ``started`` when it runs (or leaves); the rest is the wrapped policy's ``CachePolicy``.

@@ -73,6 +73,15 @@ def test_a_capacity_needs_its_four_fields_and_at_least_one_block() -> None:
     assert ReplicaReport.from_wire({"capacity": {"kv_blocks": 4}}).capacity is None
 
 
+def test_an_engine_s_own_capacity_has_a_block_and_says_whether_it_is_usable() -> None:
+    """Review of issue 37: an engine's capacity no longer went through ``from_wire``, which
+    had kept a block and dropped a rate that is not finite."""
+    assert ReplicaCapacity(5000.0, 0.01, 512, 0).kv_blocks == 1
+    assert ReplicaCapacity(5000.0, 0.01, 512, 8).usable()
+    assert not ReplicaCapacity(float("inf"), 0.01, 512, 8).usable()
+    assert not ReplicaCapacity(5000.0, 0.01, 512, 8, shared_load_s_per_block=float("nan")).usable()
+
+
 def test_active_blocks_come_back_as_sent() -> None:
     for blocks in range(0, 1001, 7):
         report = ReplicaReport(kv_usage=blocks / 1000, capacity=CAPACITY)

@@ -163,6 +163,22 @@ async def test_an_absent_server_fails_within_the_connect_timeout() -> None:
     await engine.shutdown()
 
 
+async def test_a_server_whose_capacity_cannot_be_read_is_refused() -> None:
+    """Review of issue 37: an unreadable capacity failed the start before the typed
+    capacity, then passed silently (routing without the replica's rates)."""
+    from aiohttp import web
+
+    fingerprint = make_hasher(sim_config()).fingerprint.to_json()
+
+    async def info(request: Any) -> Any:
+        body = {"fingerprint": fingerprint, "kv_blocks": 8, "capacity": {"kv_blocks": 8}}
+        return web.json_response(body)
+
+    async with _engine_against(info) as engine:
+        with pytest.raises(RuntimeError, match="no readable capacity"):
+            await engine.start()
+
+
 def _dropping(request: Any) -> None:
     """Close the connection under a request, as a server closing a pooled connection does."""
     request.transport.close()

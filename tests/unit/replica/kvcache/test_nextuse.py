@@ -82,7 +82,7 @@ def test_a_parent_never_goes_before_its_child() -> None:
 
 
 def test_on_the_synthetic_workloads_it_gains_on_fewshot_and_holds_lru_on_multiturn() -> None:
-    # Multiturn: LRU is at the ceiling already (docs/BENCHMARKS.md); a few points of the early
+    # Multiturn: LRU is at the ceiling already (docs/benchmarks-log.md); a few points of the early
     # replay go to training (0.989x at 800 requests, 0.997x from 1,600).
     for name, fraction, least in (("fewshot", 0.05, 1.1), ("multiturn", 0.05, 0.99)):
         requests = workload(name, 1600)

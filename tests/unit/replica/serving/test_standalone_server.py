@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from prefixmesh.api import prepare
 from prefixmesh.api.word_vocabulary import Vocabulary
+from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.loadtest.compare_report import parse_counters, replica_ttft_p50
 from prefixmesh.loadtest.keys import Segment
 from prefixmesh.loadtest.prompts import PromptRenderer
@@ -219,6 +220,18 @@ def test_limits_come_before_work(
     limited(monkeypatch, service, timeout_s=0.0)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     assert openai_error(client.post("/v1/completions", json=body), 504)["code"] == "timeout"
+
+
+def test_a_prompt_is_hashed_once_on_this_cpu_bound_path(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of issue 37: the front door hashed every prompt for a key nothing here reads
+    (the router in front of this server keys prompts itself); the sim engine's own prefix
+    cache hashes it once."""
+    hashed = spy(monkeypatch, BlockHasher, "hash_tokens")
+    body = {"model": MODEL, "prompt": list(range(3, 300)), "max_tokens": 1}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert len(hashed) == 1
 
 
 def test_the_native_engine_protocol(client: TestClient, service: ReplicaService) -> None:

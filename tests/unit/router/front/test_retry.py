@@ -172,8 +172,11 @@ def test_a_retry_request_carries_no_decision_of_the_failed_attempt() -> None:
     # somewhere else (regression).
     key = PrefixKey((BlockHash(11),), 2)
     decided = RouteTicket("req-1", "r1", "prefixmesh", 1, hold=Hold(num_blocks=1, max_wait_s=0.5))
-    first = GenerateRequest("req-1", (1, 2, 3), key, SamplingSettings(max_tokens=4), ticket=decided)
-    retry = retry_request(first, 1, ("r1",), {"traceparent": "00-ab-cd-01"})
+    parent = {"traceparent": "00-ab-cd-01"}  # the request span's: the retry's parent too
+    first = GenerateRequest(
+        "req-1", (1, 2, 3), key, SamplingSettings(4), ticket=decided, trace_context=parent
+    )
+    retry = retry_request(first, 1, ("r1",))
     assert retry.request_id == "req-1-retry1"
     assert retry.avoid_replicas == ("r1",)
     assert (retry.ticket, retry.hold) == (None, None)
