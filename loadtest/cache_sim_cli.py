@@ -478,7 +478,7 @@ def format_table(replay: Replay, rows: Sequence[dict[str, Any]]) -> str:
         "",
         f"{'policy':<16} {'capacity_blocks':<16} {'hit':>6} {'vs_lru':>6} {'gain':>6} "
         f"{'by_tier':<20} {'written':>8} {'promoted':>8} {'evicted':>8} {'rejected':>8} "
-        f"{'wall_s':>6}",
+        f"{'wall_s':>6} {'victim_us':>9}",
     ]
     for row in rows:
         capacities = ",".join(map(str, row["capacity_blocks"]))

@@ -47,8 +47,8 @@ from prefixmesh.loadtest.plan import (
 from prefixmesh.loadtest.poisson import Launch, OpenLoopScheduler
 from prefixmesh.loadtest.prompts import PromptRenderer
 from prefixmesh.loadtest.report import (
+    ClientRecord,
     LiveSummary,
-    RequestRecord,
     prefix_cache_counters,
     write_report,
 )
@@ -163,7 +163,7 @@ class OpenLoopOpenAIUser(User):
 
         self._builder = builder
         self._group = Group()
-        self._records: list[RequestRecord] = []
+        self._records: list[ClientRecord] = []
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         if options.pm_connections == "fresh":
             # A new connection per request: sglang-router holds the first event of a stream
@@ -185,7 +185,7 @@ class OpenLoopOpenAIUser(User):
         def launch(index: int, start: float) -> None:
             if len(self._group) >= options.pm_max_inflight:
                 LIVE.dropped += 1
-                self._records.append(RequestRecord.dropped(roots[index], roots[index].arrival_s))
+                self._records.append(ClientRecord.dropped(roots[index], roots[index].arrival_s))
                 return
             payload = payloads.pop(index)
             self._group.spawn(self._send, roots[index], payload, roots[index].arrival_s, start)
@@ -255,7 +255,7 @@ class OpenLoopOpenAIUser(User):
                 except Exception as exc:
                     result = StreamResult(status=200, error=f"{type(exc).__name__}: {exc}"[:300])
             response.release()
-        record = RequestRecord.from_result(
+        record = ClientRecord.from_result(
             request, result, scheduled_s, sent_s, time.perf_counter() - start, replica
         )
         self._records.append(record)

@@ -38,7 +38,7 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
 @dataclass
-class RequestRecord:
+class ClientRecord:
     """One request as the client saw it; times in seconds from the start of the run."""
 
     id: str
@@ -69,7 +69,7 @@ class RequestRecord:
         sent_s: float,
         end_s: float,
         replica: str,
-    ) -> RequestRecord:
+    ) -> ClientRecord:
         return cls(
             request.request_id,
             request.kind,
@@ -88,7 +88,7 @@ class RequestRecord:
         )
 
     @classmethod
-    def dropped(cls, request: WorkloadRequest, scheduled_s: float) -> RequestRecord:
+    def dropped(cls, request: WorkloadRequest, scheduled_s: float) -> ClientRecord:
         error = "not sent: too many requests in flight"
         return cls(
             request.request_id, request.kind, scheduled_s, scheduled_s, scheduled_s, None, 0.0,
@@ -113,7 +113,7 @@ class LiveSummary:
         self.__init__()  # type: ignore[misc]
         self.planned = planned
 
-    def add(self, record: RequestRecord) -> None:
+    def add(self, record: ClientRecord) -> None:
         self.done += 1
         self.failed += not record.ok
         self.prompt_tokens += record.prompt_tokens
@@ -161,7 +161,7 @@ def _round(value: float | None, digits: int = 5) -> float | None:
 
 
 def summarize(
-    records: Sequence[RequestRecord],
+    records: Sequence[ClientRecord],
     launches: Sequence[tuple[float, float]],
     counters_before: Mapping[str, tuple[float, float]] | None = None,
     counters_after: Mapping[str, tuple[float, float]] | None = None,
@@ -223,7 +223,7 @@ def summarize(
     return summary
 
 
-def _error_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
+def _error_counts(records: Sequence[ClientRecord]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for record in records:
         if not record.ok:
@@ -234,7 +234,7 @@ def _error_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
 
 def write_report(
     folder: Path,
-    records: Sequence[RequestRecord],
+    records: Sequence[ClientRecord],
     launches: Sequence[tuple[float, float]],
     meta: Mapping[str, Any],
     counters_before: Mapping[str, tuple[float, float]] | None = None,
@@ -320,7 +320,7 @@ def plot_ttft_cdf(
         plt.close(fig)
 
 
-def plot_timeline(records: Sequence[RequestRecord], path: Path, title: str) -> None:
+def plot_timeline(records: Sequence[ClientRecord], path: Path, title: str) -> None:
     """Output tokens/s and requests/s per second of the run; TTFT of each request at its send
     time with a rolling p50 and p99."""
     plt = _pyplot()

@@ -115,12 +115,15 @@ class Node:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
 
-    def stop(self) -> None:
-        """SIGTERM to ``ray start --block``, which stops its node; then whatever is left."""
+    def terminate(self) -> None:
+        """SIGTERM to ``ray start --block``, which stops its node (``stop`` waits for it)."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=30)
+
+    def stop(self, deadline_s: float) -> None:
+        """Wait until ``deadline_s`` (monotonic) for the node to stop; kill what is left."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=max(0.0, deadline_s - time.monotonic()))
         self.kill()
 
 
@@ -276,8 +279,13 @@ def two_nodes() -> Iterator[TwoNodes]:
         assert "WARNING" not in done.stderr, done.stderr[-2000:]  # Redis reached, HAProxy on
         yield TwoNodes(f"http://127.0.0.1:{http_port}", dashboard_url, head, workers, env, auth)
     finally:
-        for node in [*workers, head]:
-            node.stop()
+        # Every node stops at once: one after another took a minute of the suite.
+        nodes = [*workers, head]
+        for node in nodes:
+            node.terminate()
+        deadline_s = time.monotonic() + 30
+        for node in nodes:
+            node.stop(deadline_s)
         stop_haproxy(run_dir)
         redis.close()
         shutil.rmtree(run_dir, ignore_errors=True)

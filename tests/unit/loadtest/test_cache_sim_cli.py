@@ -204,13 +204,18 @@ def test_no_share_of_a_gain_too_small_to_divide() -> None:
     assert cache_sim_cli.References(lru=0.0, belady=0.1).vs_lru(0.05) is None
 
 
-def test_lookahead_adds_a_row_per_online_policy_and_queue_length(tmp_path: Path) -> None:
+def test_lookahead_adds_a_row_per_online_policy_and_queue_length(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     trace, out = write(tmp_path / "abc.jsonl", TEXTBOOK), tmp_path / "out.json"
     argv = [
         "--trace", str(trace), "--capacity-blocks", "2", "--policies", "lru,workload,belady",
         "--lookahead", "1,3", "--json", str(out),
     ]  # fmt: skip
     assert cache_sim_cli.main(argv) == 0
+    # The table names every column it prints (victim_us had no header: regression).
+    header, *table = [line.split() for line in capsys.readouterr().out.splitlines()[2:9]]
+    assert header[-1] == "victim_us" and all(len(row) == len(header) for row in table)
     report = json.loads(out.read_text())
     rows = {r["policy"]: r for r in report["results"]}
     assert list(rows) == [

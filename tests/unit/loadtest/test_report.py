@@ -18,16 +18,16 @@ from prefixmesh.loadtest.compare_report import (
 )
 from prefixmesh.loadtest.report import (
     REQUIRED_KEYS,
-    RequestRecord,
+    ClientRecord,
     prefix_cache_counters,
     summarize,
     write_report,
 )
 
 
-def record(i: int, ttft: float | None = 0.1, error: str = "", cached: int = 50) -> RequestRecord:
+def record(i: int, ttft: float | None = 0.1, error: str = "", cached: int = 50) -> ClientRecord:
     sent = i * 0.5
-    return RequestRecord(
+    return ClientRecord(
         id=f"r{i}",
         kind="group",
         scheduled_s=sent - 0.001,
@@ -44,7 +44,7 @@ def record(i: int, ttft: float | None = 0.1, error: str = "", cached: int = 50) 
     )
 
 
-def synthetic() -> tuple[list[RequestRecord], list[tuple[float, float]]]:
+def synthetic() -> tuple[list[ClientRecord], list[tuple[float, float]]]:
     records = [record(i, ttft=0.1 * (i + 1)) for i in range(10)]
     records.append(record(10, ttft=None, error="engine failed"))
     launches = [(r.scheduled_s, r.sent_s) for r in records]

@@ -28,6 +28,7 @@ from prefixmesh.api.request_metrics import DirectMetrics
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.cache_registry.registry_health import HEALTHY, RegistryHealth
 from prefixmesh.config import load_config
+from prefixmesh.metrics.sink import NullSink
 from prefixmesh.replica.serving import openai_server
 from prefixmesh.replica.serving.direct_front import DirectFront
 from prefixmesh.wire import GenerateChunk, GenerateRequest
@@ -111,7 +112,9 @@ class Replica:
         quotas: TenantQuotas | None = None,
         metrics: DirectMetrics | None = None,
     ) -> None:
-        """The app's routes on a new front with these keys, quotas and metrics."""
+        """The app's routes on a new front with these keys, quotas and metrics (a Serve
+        replica's own by default: none of Ray's, whose replica context is the test's)."""
+        metrics = metrics or local_metrics()
         self.http = DirectFront(
             self.engine, self._front, self._decode, metrics=metrics, keys=keys, quotas=quotas
         )
@@ -131,6 +134,12 @@ class Replica:
             for (name, labels), v in got.items()
             if name.endswith("requests_total") and labels
         }
+
+
+def local_metrics() -> DirectMetrics:
+    """The replica's metrics without Ray's agent (a Ray another test started in this process
+    would be asked for the replica context ``serve_as`` made up)."""
+    return DirectMetrics(NullSink())
 
 
 @pytest.fixture
@@ -297,7 +306,7 @@ def test_a_tenant_over_its_quota_gets_a_429_and_the_router_hears_the_request_end
     keys.write_text("sk-alpha team-a\nsk-beta team-b\n")
     # A 5-token prompt fits once in a minute of 9.
     limits = QuotasConfig(window_s=60, tenants={"team-a": TenantQuota(tokens_per_minute=9)})
-    metrics = DirectMetrics()
+    metrics = local_metrics()
     quotas = TenantQuotas(limits, MemoryQuotaStore(), 60.0, metrics)
     replica.serve(ApiKeys(keys, ("/health", "/metrics"), 60.0), quotas, metrics)
     body = {"model": MODEL, "prompt": "alpha beta gamma delta", "max_tokens": 2}
