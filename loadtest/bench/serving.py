@@ -17,6 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -524,22 +525,7 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
         if args.overhead:
-            rows_out: list[dict[str, Any]] = []
-            replica_p50_ms = None
-            # The direct path first: the proxy path is compared with its replicas' own port.
-            for path in sorted(args.overhead_paths.split(","), key=lambda p: p != "direct"):
-                config = load_config(overrides=[*base, f"serving.path={path}"])
-                row = measure_overhead(config, url, args.overhead, replica_p50_ms)
-                replica_p50_ms = row.get("replica_p50_ms", replica_p50_ms)
-                rows_out.append(row)
-                print(json.dumps(row), flush=True)
-            if args.json:
-                summary = {"engine": args.engine, "paths": rows_out}
-                first = rows_out[0]
-                summary.update(
-                    {k: first[k] for k in ("added_p50_ms", "cpu_ms_per_request") if k in first}
-                )
-                args.json.write_text(json.dumps(summary, indent=2) + "\n")
+            run_overhead(args, base, url)
             return 0
         for label, overrides in rows:
             config = load_config(overrides=[*base, *overrides])
@@ -568,19 +554,43 @@ def main(argv: list[str], prog: str = "serving-bench") -> int:
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(
+    print(format_reports(reports))
+    return 0
+
+
+def run_overhead(args: argparse.Namespace, base: list[str], url: str) -> None:
+    """``--overhead``: each serving path's cost, one JSON row per path (and ``--json``)."""
+    rows: list[dict[str, Any]] = []
+    replica_p50_ms = None
+    # The direct path first: the proxy path is compared with its replicas' own port.
+    for path in sorted(args.overhead_paths.split(","), key=lambda p: p != "direct"):
+        config = load_config(overrides=[*base, f"serving.path={path}"])
+        row = measure_overhead(config, url, args.overhead, replica_p50_ms)
+        replica_p50_ms = row.get("replica_p50_ms", replica_p50_ms)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        summary = {"engine": args.engine, "paths": rows}
+        first = rows[0]
+        summary.update({k: first[k] for k in ("added_p50_ms", "cpu_ms_per_request") if k in first})
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def format_reports(reports: Sequence[PolicyReport]) -> str:
+    """The policies' table, a row each."""
+    header = (
         f"{'policy':<12} {'ttft_mean':>9} {'ttft_p50':>9} {'ttft_p99':>9} {'hit':>6} "
         f"{'oracle':>6} {'computed':>9} {'minimum':>9} {'fail':>5} {'in_step':>7} {'beside':>6} "
         f"{'hit_p50':>8} {'miss_p50':>8} {'hits':>5}"
     )
-    for r in reports:
-        print(
-            f"{r.policy:<12} {r.ttft_mean_s:>9.4f} {r.ttft_p50_s:>9.4f} {r.ttft_p99_s:>9.4f} "
-            f"{r.hit_rate:>6.1%} {r.oracle_hit_rate:>6.1%} {r.computed_tokens:>9} "
-            f"{r.min_computed_tokens:>9} {r.failures:>5} {r.layer_loads:>7} {r.async_loads:>6} "
-            f"{r.hit_ttft_p50_s:>8.4f} {r.miss_ttft_p50_s:>8.4f} {r.hits:>5}"
-        )
-    return 0
+    rows = [
+        f"{r.policy:<12} {r.ttft_mean_s:>9.4f} {r.ttft_p50_s:>9.4f} {r.ttft_p99_s:>9.4f} "
+        f"{r.hit_rate:>6.1%} {r.oracle_hit_rate:>6.1%} {r.computed_tokens:>9} "
+        f"{r.min_computed_tokens:>9} {r.failures:>5} {r.layer_loads:>7} {r.async_loads:>6} "
+        f"{r.hit_ttft_p50_s:>8.4f} {r.miss_ttft_p50_s:>8.4f} {r.hits:>5}"
+        for r in reports
+    ]
+    return "\n".join([header, *rows])
 
 
 if __name__ == "__main__":

@@ -283,7 +283,7 @@ def two_nodes() -> Iterator[TwoNodes]:
         nodes = [*workers, head]
         for node in nodes:
             node.terminate()
-        deadline_s = time.monotonic() + 30
+        deadline_s = time.monotonic() + 10  # then SIGKILL: a node can sit 30 s in its stop
         for node in nodes:
             node.stop(deadline_s)
         stop_haproxy(run_dir)
