@@ -32,18 +32,19 @@ from pathlib import Path
 from typing import Any
 
 from prefixmesh.cache_registry.types import BlockHash
+from prefixmesh.cli_help import command_parser
 from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.loadtest.cli_args import add_config_args, add_source_args
 from prefixmesh.loadtest.keys import KeyBuilder
 from prefixmesh.loadtest.policy_timer import PolicyTimer
 from prefixmesh.loadtest.traces import (
     MOONCAKE_BLOCK_TOKENS,
     QWEN_BLOCK_TOKENS,
-    TRACE_FORMATS,
     TraceFormat,
     detect_format,
     load_trace,
 )
-from prefixmesh.loadtest.workloads import WORKLOADS, WorkloadRequest, make_workload
+from prefixmesh.loadtest.workloads import WorkloadRequest, make_workload
 from prefixmesh.replica.kvcache.cache_sim import (
     CacheRequest,
     CacheSimResult,
@@ -87,51 +88,76 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workload", choices=sorted(WORKLOADS), help="a synthetic workload")
-    source.add_argument("--trace", type=Path, help="a Mooncake or Qwen-Bailian JSONL trace")
-    parser.add_argument("--trace-format", choices=("auto", *TRACE_FORMATS), default="auto")
+    parser = command_parser(prog, __doc__)
+    add_source_args(parser)
     parser.add_argument(
-        "--param", action="append", default=[], metavar="FIELD=VALUE", help="workload parameter"
+        "--requests",
+        type=int,
+        help=f"replay at most this many requests (default: none, a trace's every request or "
+        f"{DEFAULT_REQUESTS} of a workload)",
     )
     parser.add_argument(
-        "--requests", type=int, help=f"at most this many (workload: {DEFAULT_REQUESTS})"
+        "--rate",
+        type=float,
+        default=1.0,
+        help="a workload's arrivals per second (they order the replay; a trace keeps its own)",
     )
-    parser.add_argument("--rate", type=float, default=1.0, help="workload arrivals per second")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload's requests")
     parser.add_argument(
         "--block-tokens",
         type=int,
-        help=f"tokens per block (trace: its own, 512 or 16; workload: "
+        help=f"tokens per block (default: none, a trace's own, {TRACE_BLOCK_TOKENS['mooncake']} "
+        f"for Mooncake and {TRACE_BLOCK_TOKENS['qwen']} for Qwen-Bailian; a workload's "
         f"{DEFAULT_WORKLOAD_BLOCK_TOKENS})",
     )
+    _add_tier_args(parser)
+    _add_policy_args(parser)
+    parser.add_argument(
+        "--max-turn",
+        type=int,
+        default=8,
+        help="conversation turns above this one share its category",
+    )
+    add_config_args(parser, "its kvcache section", set_dest="set")
+    parser.add_argument("--json", type=Path, help="write the results here (default: none)")
+    parser.add_argument(
+        "--plot", type=Path, help="write hit-rate and write charts here, PNG (default: none)"
+    )
+    args = parser.parse_args(list(argv))
+    _check_args(parser, args)
+    return args
+
+
+def _add_tier_args(parser: argparse.ArgumentParser) -> None:
     sizes = parser.add_mutually_exclusive_group(required=True)
     sizes.add_argument(
         "--capacity-blocks",
         action="append",
         metavar="N1,N2,...",
-        help="engine tier, then lower tiers, in blocks (repeatable: one run per set)",
+        help="engine tier, then lower tiers, in blocks; repeatable: one run per set",
     )
     sizes.add_argument(
         "--capacity-fraction",
         type=_floats,
         metavar="F1,F2,...",
-        help="engine tier as fractions of the distinct blocks (one run per fraction)",
+        help="engine tier as fractions of the distinct blocks, one run per fraction",
     )
     parser.add_argument(
         "--lower-tiers",
         type=_floats,
         default=[1.0],
         metavar="R1,R2,...",
-        help="with --capacity-fraction: lower tiers as multiples of the engine tier (default 1; "
-        "0 or an empty list: no lower tier)",
+        help="with --capacity-fraction: lower tiers as multiples of the engine tier; 0 or an "
+        "empty list: no lower tier",
     )
+
+
+def _add_policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default="all",
-        help=f"comma-separated, of {', '.join(ALL_POLICIES)}; 'all': every one; 'default': "
-        "the configured kvcache.policy",
+        help=f"comma-separated, of {', '.join(ALL_POLICIES)}; all: every one; default: the "
+        "configured kvcache.policy",
     )
     parser.add_argument(
         "--variant",
@@ -141,25 +167,19 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
         metavar=("LABEL", "KEY=VALUE"),
         help="instead of --policies: a row named LABEL with these config settings, e.g. "
         "--variant write-all kvcache.policy=hotprefix kvcache.hotprefix.admission=false "
-        f"(kvcache.policy={BELADY}: the offline reference)",
+        f"(kvcache.policy={BELADY}: the offline reference); repeatable",
     )
     parser.add_argument(
         "--lookahead",
         type=_ints,
         default=[],
         metavar="N1,N2,...",
-        help="also run every online policy seeing the next N queued requests (Lookahead)",
+        help="also run every online policy seeing the next N queued requests (Lookahead), "
+        "one row per N",
     )
-    parser.add_argument(
-        "--max-turn", type=int, default=8, help="turns above this share one category"
-    )
-    parser.add_argument("--config", type=Path, help="prefixmesh YAML config (kvcache section)")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override"
-    )
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--plot", type=Path, help="write hit-rate and write charts here (PNG)")
-    args = parser.parse_args(list(argv))
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.requests is not None and args.requests <= 0:
         parser.error("--requests must be > 0")
     if args.block_tokens is not None and args.block_tokens <= 0:
@@ -170,7 +190,6 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
         parser.error("--lower-tiers values must be >= 0")
     if any(n <= 0 for n in args.lookahead):
         parser.error("--lookahead values must be > 0")
-    return args
 
 
 # ---- requests -------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ from typing import Any
 
 import yaml
 
+from prefixmesh.cli_help import command_parser
 from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.loadtest.cli_args import add_config_args, add_source_args
 from prefixmesh.loadtest.cluster_sim import ClusterSim, SimConfig
 from prefixmesh.loadtest.keys import KeyBuilder
 from prefixmesh.loadtest.metrics import PolicyMetrics, compute_metrics
@@ -32,8 +34,8 @@ from prefixmesh.loadtest.oracle import (
     ttft_floor_s,
     work_model,
 )
-from prefixmesh.loadtest.traces import TRACE_FORMATS, load_trace, rescale
-from prefixmesh.loadtest.workloads import WORKLOADS, WorkloadRequest, make_workload
+from prefixmesh.loadtest.traces import load_trace, rescale
+from prefixmesh.loadtest.workloads import WorkloadRequest, make_workload
 from prefixmesh.replica.kvcache.policy import POLICY_NAMES as CACHE_POLICY_NAMES
 from prefixmesh.replica.kvcache.policy import Clock, TierPolicy, make_tier_policy
 from prefixmesh.replica.sim_model.profile import (
@@ -57,72 +59,20 @@ PolicyFactory = Callable[..., RoutingPolicy]
 
 
 def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workload", choices=sorted(WORKLOADS), help="a synthetic workload")
-    source.add_argument("--trace", type=Path, help="a Mooncake or Qwen-Bailian JSONL trace")
-    parser.add_argument("--trace-format", choices=("auto", *TRACE_FORMATS), default="auto")
+    parser = command_parser(prog, __doc__)
+    add_source_args(parser)
+    _add_fleet_args(parser)
+    _add_tier_args(parser)
     parser.add_argument(
-        "--param",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="a workload parameter, e.g. system_prompt_tokens=4096 (repeatable)",
-    )
-    parser.add_argument("--replicas", type=int, help="fleet size (blog: 8; trace: 16)")
-    parser.add_argument(
-        "--tp-degrees",
-        help="tensor-parallel degree per replica, comma-separated, or one value for all",
-    )
-    rate = parser.add_mutually_exclusive_group()
-    rate.add_argument("--rate", type=float, help="arrivals per second (Poisson)")
-    rate.add_argument(
-        "--load",
+        "--registry-lag-s",
         type=float,
-        help=f"offered work / fleet capacity (default {DEFAULT_LOAD}; a trace plays at its own "
-        "speed without it)",
+        default=0.05,
+        help="delay from a replica's cache change to the registry showing it, in s; 0: at once",
     )
-    parser.add_argument(
-        "--requests", type=int, help=f"at most this many (default {DEFAULT_REQUESTS}; trace: all)"
-    )
-    parser.add_argument("--duration", type=float, help="only arrivals before this many seconds")
-    parser.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma-separated")
-    parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
-    parser.add_argument("--cpu-blocks", type=int, default=0, help="add a CPU tier of N blocks")
-    parser.add_argument(
-        "--cpu-policy",
-        choices=CACHE_POLICY_NAMES,
-        help="the CPU tier's cache policy (default: the config's kvcache.policy)",
-    )
-    parser.add_argument(
-        "--lookahead",
-        type=int,
-        metavar="N",
-        help="tell the CPU tier's policy up to N requests waiting at its engine (Lookahead; "
-        "default: the config's kvcache.lookahead_requests)",
-    )
-    parser.add_argument(
-        "--shared-blocks",
-        type=int,
-        default=0,
-        help="add a tier of N blocks the whole cluster shares (written by whichever replica "
-        "computed a block, loaded by any)",
-    )
-    parser.add_argument(
-        "--shared-gb-per-s",
-        type=float,
-        default=10.0,
-        help="each replica's read bandwidth from the shared tier (default 10: a fast NVMe or "
-        "RDMA store), which sets its load cost per block",
-    )
-    parser.add_argument("--registry-lag-s", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--config", type=Path, help="prefixmesh YAML config (routing, registry)")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override"
-    )
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--plot", type=Path, help="write TTFT charts here (PNG)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the requests and policies")
+    add_config_args(parser, "its routing and registry sections", set_dest="set")
+    parser.add_argument("--json", type=Path, help="write the results here (default: none)")
+    parser.add_argument("--plot", type=Path, help="write TTFT charts here, PNG (default: none)")
     args = parser.parse_args(list(argv))
     for name in ("replicas", "rate", "load", "requests", "duration"):
         value = getattr(args, name)
@@ -133,6 +83,94 @@ def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
     if args.shared_gb_per_s <= 0:
         parser.error("--shared-gb-per-s must be > 0")
     return args
+
+
+def _add_fleet_args(parser: argparse.ArgumentParser) -> None:
+    """The fleet, the arrivals and the policies."""
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        help=f"fleet size (default: none, the workload's own, 8 for most, or "
+        f"{DEFAULT_TRACE_REPLICAS} for a trace)",
+    )
+    parser.add_argument(
+        "--tp-degrees",
+        metavar="D1,D2,...",
+        help="tensor-parallel degree per replica, comma-separated, or one value for all "
+        "(default: none, 1 for every replica)",
+    )
+    rate = parser.add_mutually_exclusive_group()
+    rate.add_argument(
+        "--rate",
+        type=float,
+        help="a workload's Poisson arrivals per second (a trace is rescaled with --load)",
+    )
+    rate.add_argument(
+        "--load",
+        type=float,
+        help=f"offered work / fleet capacity, a fraction (default: none, {DEFAULT_LOAD} for a "
+        "workload given no --rate; a trace plays at its own speed)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        help=f"at most this many requests (default: none, {DEFAULT_REQUESTS} of a workload, a "
+        "trace's every one)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        help="only arrivals before this time, in s (default: none, no limit)",
+    )
+    parser.add_argument(
+        "--policies",
+        default=",".join(ALL_POLICIES),
+        help=f"routing policies, comma-separated, of {', '.join(ALL_POLICIES)}",
+    )
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=DEFAULT_PROFILE,
+        help="the simulated engine's timing profile",
+    )
+
+
+def _add_tier_args(parser: argparse.ArgumentParser) -> None:
+    """The lower cache tiers: each replica's CPU tier, the cluster's shared one."""
+    parser.add_argument(
+        "--cpu-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add a CPU tier of N blocks per replica; 0: none",
+    )
+    parser.add_argument(
+        "--cpu-policy",
+        choices=CACHE_POLICY_NAMES,
+        help="the CPU tier's cache policy (default: none, the config's kvcache.policy)",
+    )
+    parser.add_argument(
+        "--lookahead",
+        type=int,
+        metavar="N",
+        help="tell the CPU tier's policy up to N requests waiting at its engine (Lookahead; "
+        "default: none, the config's kvcache.lookahead_requests)",
+    )
+    parser.add_argument(
+        "--shared-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add a tier of N blocks the whole cluster shares (written by whichever replica "
+        "computed a block, loaded by any); 0: none",
+    )
+    parser.add_argument(
+        "--shared-gb-per-s",
+        type=float,
+        default=10.0,
+        help="each replica's read bandwidth from the shared tier, in GB/s (10: a fast NVMe or "
+        "RDMA store), which sets its load cost per block",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,9 @@ from typing import Any
 
 import yaml
 
+from prefixmesh.cli_help import command_parser
 from prefixmesh.config import PrefixmeshConfig, ServingConfig, load_config, merge_settings
+from prefixmesh.loadtest.cli_args import add_config_args, add_source_args
 from prefixmesh.loadtest.compare_report import RouterRow, delta, make_row, parse_counters
 from prefixmesh.loadtest.compare_report import write_compare as write_compare_report
 from prefixmesh.loadtest.peers import (
@@ -50,8 +52,6 @@ from prefixmesh.loadtest.peers import (
 )
 from prefixmesh.loadtest.plan import PlanSettings
 from prefixmesh.loadtest.poisson import percentile
-from prefixmesh.loadtest.traces import TRACE_FORMATS
-from prefixmesh.loadtest.workloads import WORKLOADS
 from prefixmesh.local_ray import configure_environment, init_local_ray, stop_haproxy
 from prefixmesh.ports import free_port
 
@@ -79,24 +79,30 @@ SETUPS = {
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workload", choices=sorted(WORKLOADS))
-    source.add_argument("--trace", type=Path)
-    parser.add_argument("--trace-format", choices=("auto", *TRACE_FORMATS), default="auto")
-    parser.add_argument("--param", action="append", default=[], metavar="FIELD=VALUE")
-    rate = parser.add_mutually_exclusive_group(required=True)
-    rate.add_argument("--rate", type=float, help="arrivals per second")
-    rate.add_argument(
-        "--load", type=float, help="offered work / fleet capacity, as the simulator defines it"
+    parser = command_parser(prog, __doc__)
+    parser.add_argument("--replicas", type=int, default=8, help="replica servers in the fleet")
+    parser.add_argument(
+        "--engine", choices=("sim", "vllm"), default="sim", help="the replica servers' engine"
     )
-    parser.add_argument("--duration", type=float, default=60.0, help="arrival window, s")
-    parser.add_argument("--requests", type=int, default=100_000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated")
-    parser.add_argument("--api", choices=("completions", "chat"), default="completions")
+    add_source_args(parser)
+    rate = parser.add_mutually_exclusive_group(required=True)
+    rate.add_argument("--rate", type=float, help="Poisson arrivals per second of wall time")
+    rate.add_argument(
+        "--load",
+        type=float,
+        help="offered work / fleet capacity, as the simulator defines it (a fraction; sim only)",
+    )
+    parser.add_argument("--duration", type=float, default=60.0, help="arrival window, in s")
+    parser.add_argument("--requests", type=int, default=100_000, help="at most this many requests")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts")
+    parser.add_argument(
+        "--routers",
+        default=",".join(ROUTERS),
+        help=f"comma-separated, in run order, of {', '.join(ROUTERS)}",
+    )
+    parser.add_argument(
+        "--api", choices=("completions", "chat"), default="completions", help="the OpenAI API"
+    )
     parser.add_argument(
         "--prompt-format",
         choices=("auto", "text", "tokens"),
@@ -105,15 +111,23 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         "path), text to sglang-router (it rejects token-id prompts and matches text); the "
         "engines see the same tokens either way",
     )
-    parser.add_argument("--overhead-samples", type=int, default=20)
-    parser.add_argument("--config", type=Path, help="YAML config for replicas and our cluster")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument(
+        "--overhead-samples",
+        type=int,
+        default=20,
+        help="sequential one-token requests per router, through it and straight to a replica, "
+        "for its idle overhead (median TTFT difference, ms); 0: not measured",
+    )
+    add_config_args(parser, "for the replicas and our cluster", set_dest="overrides")
     parser.add_argument(
         "--peers-venv",
         type=Path,
-        help="virtualenv for the peer routers (default: <cache_dir>/peers/venv)",
+        help="virtualenv for the peer routers (default: none, <cache_dir>/peers/venv, created "
+        "when missing)",
     )
-    parser.add_argument("--report", type=Path, required=True)
+    parser.add_argument(
+        "--report", type=Path, required=True, help="folder for the reports, created when missing"
+    )
     args = parser.parse_args(argv)
     unknown = set(args.routers.split(",")) - set(ROUTERS)
     if unknown:

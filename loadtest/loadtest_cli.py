@@ -23,10 +23,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from prefixmesh.cli_help import command_parser
+from prefixmesh.loadtest.cli_args import add_source_args
 from prefixmesh.loadtest.fit import context_length, failed_run, plan_fit
 from prefixmesh.loadtest.plan import PlanSettings, build_plan, parse_params
-from prefixmesh.loadtest.traces import TRACE_FORMATS
-from prefixmesh.loadtest.workloads import WORKLOADS
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 DEFAULT_TARGET = "http://127.0.0.1:8000"
@@ -43,30 +43,26 @@ def is_loopback(url: str) -> bool:
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = command_parser(prog, __doc__)
     parser.add_argument(
         "--target",
         default=DEFAULT_TARGET,
-        help=f"base URL of an OpenAI-compatible server (default {DEFAULT_TARGET}); a non-loopback "
-        "URL is used only because you passed it",
+        help="base URL of an OpenAI-compatible server; a non-loopback URL is used only because "
+        "you passed it",
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workload", choices=sorted(WORKLOADS))
-    source.add_argument("--trace", type=Path, help="Mooncake or Qwen-Bailian JSONL trace")
-    parser.add_argument("--trace-format", choices=("auto", *TRACE_FORMATS), default="auto")
-    parser.add_argument(
-        "--param", action="append", default=[], metavar="FIELD=VALUE", help="workload field"
-    )
+    add_source_args(parser)
     parser.add_argument(
         "--rate",
         type=float,
-        help="Poisson arrivals per second (required for a workload; a trace plays at its own "
-        "timestamps unless given, else is rescaled to this mean rate)",
+        help="Poisson arrivals per second, required for a workload; a trace is rescaled to this "
+        "mean rate (default: none: a trace plays at its own timestamps)",
     )
-    parser.add_argument("--duration", type=float, default=60.0, help="arrival window, s")
-    parser.add_argument("--requests", type=int, default=100_000, help="at most this many")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--api", choices=("completions", "chat"), default="completions")
+    parser.add_argument("--duration", type=float, default=60.0, help="arrival window, in s")
+    parser.add_argument("--requests", type=int, default=100_000, help="at most this many requests")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts")
+    parser.add_argument(
+        "--api", choices=("completions", "chat"), default="completions", help="the OpenAI API"
+    )
     parser.add_argument(
         "--prompt-format",
         choices=("text", "tokens"),
@@ -75,36 +71,54 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         "server accepts text; text-matching routers need it); tokens: the same ids",
     )
     parser.add_argument("--model", default="demo-tiny", help="the model name to send")
-    parser.add_argument("--max-tokens", type=int, default=0, help="cap on output tokens")
-    parser.add_argument("--tokenizer", help="tokenizer folder (default: the demo model's)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="cap on each request's output tokens; 0: the workload's own lengths, uncapped",
+    )
+    parser.add_argument("--tokenizer", help="tokenizer folder (default: none, the demo model's)")
     parser.add_argument(
         "--connections",
         choices=("fresh", "reuse"),
         default="fresh",
-        help="fresh: a connection per request (default; see the locustfile) | reuse: keep-alive",
+        help="fresh: a connection per request (see the locustfile); reuse: keep-alive",
     )
-    parser.add_argument("--drain", type=float, default=60.0, help="wait for in-flight, s")
-    parser.add_argument("--timeout", type=float, default=300.0, help="per request, s")
+    parser.add_argument(
+        "--drain",
+        type=float,
+        default=60.0,
+        help="after the arrival window, wait this long for requests in flight, in s",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="each request's time limit, in s"
+    )
     parser.add_argument(
         "--metrics-url",
         action="append",
         default=[],
-        help="a replica's /metrics (repeatable): hit rate from its prefix-cache counters",
+        help="a replica's /metrics URL, repeatable: the hit rate from its prefix-cache counters",
     )
     parser.add_argument("--report", type=Path, required=True, help="folder for the report")
     parser.add_argument(
         "--max-failure-share",
         type=float,
         default=0.05,
-        help="exit 1 with the first error when more than this share of requests fail (0.05)",
+        help="exit 1 with the first error when more than this share of requests fail, in [0, 1)",
     )
     parser.add_argument(
         "--web",
         type=int,
         metavar="PORT",
-        help="show locust's web UI on 127.0.0.1:PORT while the run plays (starts at once)",
+        help="show locust's web UI on 127.0.0.1:PORT while the run plays, starting at once "
+        "(default: none, headless)",
     )
     args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.workload and not args.rate:
         parser.error("--workload needs --rate")
     if not 0 <= args.max_failure_share < 1:
@@ -113,7 +127,6 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name} must be > 0")
-    return args
 
 
 def locust_command(args: argparse.Namespace) -> list[str]:

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 
+from prefixmesh.cli_help import command_parser
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.local_ray import (
     configure_environment,
@@ -21,9 +22,15 @@ from prefixmesh.local_ray import (
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="YAML config (default: the embedded defaults)")
-    parser.add_argument("--address", help="join this Ray cluster instead of starting one")
+    parser = command_parser(prog, __doc__)
+    parser.add_argument(
+        "--config", help="YAML config file (default: none, the embedded defaults alone)"
+    )
+    parser.add_argument(
+        "--address",
+        help="join the Ray cluster at this address, as ray.init takes it, e.g. auto (default: "
+        "none, start a local Ray on 127.0.0.1)",
+    )
     parser.add_argument(
         "--detach",
         action="store_true",
@@ -35,7 +42,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="SECTION.FIELD=VALUE",
-        help="override a config field",
+        help="override a config field, after --config; repeatable",
     )
     return parser.parse_args(argv)
 

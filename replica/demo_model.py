@@ -10,7 +10,6 @@ Its output is random text; its prefill, KV cache and prefix caching are real.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -20,6 +19,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
+
+from prefixmesh.cli_help import command_parser
 
 if TYPE_CHECKING:
     from prefixmesh.config import PrefixmeshConfig
@@ -168,10 +169,12 @@ def resolve_model_path(config: PrefixmeshConfig) -> str:
 
 
 def main(argv: list[str], prog: str = "make-demo-model") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = command_parser(prog, __doc__)
     parser.add_argument("--out", type=Path, required=True, help="folder to create")
-    parser.add_argument("--size", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--size", choices=sorted(SHAPES), default="tiny", help="tiny: ~6.6M parameters; small: ~88M"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args(argv)
     path = make_demo_model(args.out, args.size, args.seed)
     print(json.loads((path / "prefixmesh-demo.json").read_text()))

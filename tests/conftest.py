@@ -1,14 +1,22 @@
-"""Shared fixtures: a real Redis server process owned by the test session (by PID)."""
+"""Shared fixtures: a real Redis server process owned by the test session (by PID), and the
+project's shared data (``../shared`` beside the checkout), skipped when it is absent."""
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from prefixmesh.config import ServingConfig
 from prefixmesh.local_ray import configure_environment, stop_haproxy
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DIR = REPO_ROOT.parent / "shared"
+"""The project's shared folder, beside the repository (``../shared``): data too big to commit,
+such as the Mooncake trace (docs/design.md §8). Found from here, never by an absolute path."""
+MOONCAKE_TRACE = SHARED_DIR / "traces" / "mooncake_synthetic_trace.jsonl"
 
 TEST_REPLICA_DRAIN_S = 2.0
 """``serving.replica_drain_s`` in tests: Ray's 30 s drain held every e2e module's app
@@ -40,3 +48,12 @@ def redis_server() -> Iterator[LocalRedisServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def mooncake_trace() -> Path:
+    """The shared Mooncake trace (``../shared/traces/``); the test skips, saying where it
+    looked, when the checkout has no shared folder beside it."""
+    if not MOONCAKE_TRACE.is_file():
+        pytest.skip(f"the shared Mooncake trace is absent: no {MOONCAKE_TRACE} beside the checkout")
+    return MOONCAKE_TRACE

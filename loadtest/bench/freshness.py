@@ -28,6 +28,7 @@ from pathlib import Path
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
 from prefixmesh.cache_registry.types import EventKind, PrefixKey, ReplicaId, Tier
+from prefixmesh.cli_help import command_parser
 from prefixmesh.config import PrefixmeshConfig
 from prefixmesh.loadtest.local_redis import LocalRedisServer
 from prefixmesh.replica.engines.base import BlockChange, Residency
@@ -236,16 +237,28 @@ async def run(plan: Plan, url: str, poll_s: float, out_dir: Path) -> FreshnessRe
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=8)
+    parser = command_parser(prog, __doc__)
+    parser.add_argument(
+        "--replicas", type=int, default=8, help="replica processes publishing changes"
+    )
     parser.add_argument("--changes", type=int, default=200, help="stores per replica")
-    parser.add_argument("--rate", type=float, default=20.0, help="stores/s per replica")
+    parser.add_argument("--rate", type=float, default=20.0, help="stores per second, per replica")
     parser.add_argument("--blocks", type=int, default=32, help="blocks per stored prompt")
-    parser.add_argument("--keep", type=int, default=8, help="stores before one is evicted")
-    parser.add_argument("--poll-ms", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--redis-url", help="use this Redis (default: start one on loopback)")
-    parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument(
+        "--keep",
+        type=int,
+        default=8,
+        help="a replica evicts the prompt it stored this many stores before",
+    )
+    parser.add_argument(
+        "--poll-ms", type=float, default=1.0, help="the router side's poll interval, in ms"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' tokens")
+    parser.add_argument(
+        "--redis-url",
+        help="use this Redis server, redis://HOST:PORT (default: none, start one on loopback)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the result here (default: none)")
     args = parser.parse_args(argv)
     if min(args.replicas, args.changes, args.blocks, args.keep) < 1 or args.rate <= 0:
         parser.error("--replicas, --changes, --blocks, --keep must be >= 1 and --rate > 0")

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from prefixmesh.cli_help import command_parser
 from prefixmesh.kernels.ops import PagedKVCache, gather_blocks, scatter_blocks
 
 CEILING = "ceiling: one pinned D2H copy"
@@ -54,12 +55,18 @@ class Interference:
 
 def add_layout_args(parser: argparse.ArgumentParser, tokens: str) -> None:
     """The prefix sizes, the model's KV layout (Llama-3-8B by default) and the repeats."""
-    parser.add_argument("--tokens", default=tokens, help="prefix sizes")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
+    parser.add_argument(
+        "--tokens", default=tokens, metavar="T1,T2,...", help="prefix sizes in tokens, one row each"
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--layers", type=int, default=32, help="the model's attention layers")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer")
+    parser.add_argument(
+        "--head-dim", type=int, default=128, help="head dimension, in bf16 elements"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed runs per transfer; the median is reported"
+    )
 
 
 def print_rows(rows: list[Row]) -> None:
@@ -72,19 +79,32 @@ def print_rows(rows: list[Row]) -> None:
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = command_parser(prog, __doc__)
     add_layout_args(parser, tokens="2048,4096,8192,16384,32768")
     parser.add_argument(
         "--programs",
         default="0,2,8,32",
-        help="kernel instances for the interference runs (0 = one per work item)",
+        metavar="P1,P2,...",
+        help="gather kernel instances (programs) for the interference runs, comma-separated; "
+        "0: one per work item, all SMs",
     )
-    parser.add_argument("--matmul-size", type=int, default=8192)
     parser.add_argument(
-        "--compute-ms", type=float, default=300.0, help="matmul time per interference trial"
+        "--matmul-size",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="the interference runs' matmul: two N x N bf16 matrices",
     )
-    parser.add_argument("--trials", type=int, default=3, help="interference trials (median)")
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--compute-ms",
+        type=float,
+        default=300.0,
+        help="matmul time per interference trial, in ms",
+    )
+    parser.add_argument(
+        "--trials", type=int, default=3, help="interference trials; the median is reported"
+    )
+    parser.add_argument("--json", help="write the results here, JSON (default: none)")
     parser.add_argument(
         "--cpu", action="store_true", help="smoke-test the torch reference on CPU (no numbers)"
     )

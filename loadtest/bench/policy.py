@@ -17,7 +17,6 @@ worst case.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import random
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefixmesh.cache_registry.types import BlockHash, PrefixHit, PrefixKey, ReplicaId
+from prefixmesh.cli_help import command_parser
 from prefixmesh.config import RoutingConfig
 from prefixmesh.router.policy import POLICY_NAMES, make_policy
 from prefixmesh.router.policy.base import (
@@ -176,21 +176,38 @@ def time_policy(name: str, scenarios: list[Scenario], decisions: int, seed: int)
 
 
 def main(argv: list[str], prog: str = "prefixmesh policy-bench") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=64)
-    parser.add_argument("--decisions", type=int, default=20_000, help="timed decisions each")
-    parser.add_argument("--scenarios", type=int, default=2_000, help="distinct requests/views")
-    parser.add_argument("--groups", type=int, default=200, help="prefix groups (Zipf)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = command_parser(prog, __doc__)
+    parser.add_argument("--replicas", type=int, default=64, help="fleet size")
+    parser.add_argument("--decisions", type=int, default=20_000, help="timed decisions per policy")
+    parser.add_argument(
+        "--scenarios",
+        type=int,
+        default=2_000,
+        help="distinct requests and registry views, built before timing and cycled",
+    )
+    parser.add_argument("--groups", type=int, default=200, help="prefix groups (Zipf-popular)")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help=f"tokens per KV block; divides the {HEAD_TOKENS}-token group head",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the scenarios and policies")
     parser.add_argument(
         "--changed",
         type=int,
         default=4,
         help="replicas whose load changes between two decisions (= --replicas: all)",
     )
-    parser.add_argument("--policies", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES))
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        choices=POLICY_NAMES,
+        default=list(POLICY_NAMES),
+        metavar="POLICY",
+        help=f"routing policies to time, space-separated, of {', '.join(POLICY_NAMES)}",
+    )
+    parser.add_argument("--json", type=Path, help="also write the results here (default: none)")
     args = parser.parse_args(argv)
     if min(args.replicas, args.decisions, args.scenarios, args.groups, args.changed) < 1:
         parser.error("--replicas, --decisions, --scenarios, --groups and --changed must be >= 1")

@@ -25,6 +25,7 @@ from prefixmesh.cache_registry.memory import InMemoryRegistry, RegistryState
 from prefixmesh.cache_registry.protocol import CacheRegistry
 from prefixmesh.cache_registry.redis_registry import RedisRegistry
 from prefixmesh.cache_registry.types import CacheEvent, EventKind, PrefixKey, ReplicaId, Tier
+from prefixmesh.cli_help import command_parser
 from prefixmesh.loadtest.local_redis import LocalRedisServer
 
 
@@ -156,16 +157,24 @@ async def run_bench(args: argparse.Namespace, redis_url: str | None) -> BenchRes
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
-    parser.add_argument("--backend", choices=["memory", "redis"], default="redis")
-    parser.add_argument("--redis-url", help="an existing server; default: start a private one")
-    parser.add_argument("--replicas", type=int, default=64)
+    parser = command_parser(prog, __doc__)
+    parser.add_argument(
+        "--backend", choices=["memory", "redis"], default="redis", help="the registry to time"
+    )
+    parser.add_argument(
+        "--redis-url",
+        help="an existing Redis server, redis://HOST:PORT (default: none, start a private one "
+        "on loopback)",
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=64, help="replicas, each holding every prompt"
+    )
     parser.add_argument("--blocks", type=int, default=64, help="blocks per prompt")
     parser.add_argument("--prompts", type=int, default=64, help="distinct prompts, all held")
-    parser.add_argument("--lookups", type=int, default=2000)
+    parser.add_argument("--lookups", type=int, default=2000, help="timed lookups")
     parser.add_argument("--batch-events", type=int, default=16, help="events per publish call")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, help="write the result here")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' tokens")
+    parser.add_argument("--json", type=Path, help="write the result here (default: none)")
     return parser.parse_args(argv)
 
 

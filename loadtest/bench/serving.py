@@ -19,11 +19,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from prefixmesh.cache_registry.hashing import BlockHasher
+from prefixmesh.cli_help import command_parser
 from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.loadtest.bench.serving_args import add_run_args, add_workload_args
 from prefixmesh.loadtest.keys import token_id
 from prefixmesh.loadtest.local_redis import LocalRedisServer
 from prefixmesh.loadtest.workloads import BurstWorkload, GroupsWorkload, WorkloadRequest
@@ -378,73 +379,9 @@ def measure_overhead(
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
-    parser.add_argument(
-        "--workload",
-        choices=["groups", "burst"],
-        default="groups",
-        help="groups: Poisson requests over shared prefixes; burst: bursts of --burst-size "
-        "requests sharing a fresh --group-tokens prefix within 5 ms (delay-hit holds)",
-    )
-    parser.add_argument("--burst-size", type=int, default=8)
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--group-tokens", type=int, default=1500)
-    parser.add_argument("--question-tokens", type=int, default=64)
-    parser.add_argument("--zipf", type=float, default=0.0, help="0: groups equally popular")
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second")
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument(
-        "--kv-tokens",
-        type=int,
-        default=None,
-        help="engine KV cache per replica in tokens (default: half the groups' prefixes "
-        "plus --running-room prompts)",
-    )
-    parser.add_argument(
-        "--model-size",
-        choices=sorted(KV_BYTES_PER_TOKEN),
-        default="tiny",
-        help="demo model (vllm engine)",
-    )
-    parser.add_argument(
-        "--running-room",
-        type=int,
-        default=2,
-        help="prompts the default KV size leaves room for, beyond the prefixes",
-    )
-    parser.add_argument("--policies", default="prefixmesh,pow2")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout-s", type=float, default=120.0)
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument(
-        "--variant",
-        dest="variants",
-        nargs="+",
-        action="append",
-        metavar=("LABEL", "KEY=VALUE"),
-        help="instead of --policies: a row named LABEL with these settings (repeatable)",
-    )
-    parser.add_argument(
-        "--redis",
-        action="store_true",
-        help="registry in a redis-server started on loopback (default: the in-process one)",
-    )
-    parser.add_argument(
-        "--overhead",
-        type=int,
-        default=0,
-        metavar="N",
-        help="instead: measure what the serving path adds (latency and CPU), N samples",
-    )
-    parser.add_argument(
-        "--overhead-paths",
-        default="direct,proxy",
-        help="with --overhead: serving paths to measure side by side (direct, proxy)",
-    )
-    parser.add_argument("--json", type=Path)
+    parser = command_parser(prog, __doc__)
+    add_workload_args(parser, KV_BYTES_PER_TOKEN)
+    add_run_args(parser)
     return parser.parse_args(argv)
 
 

@@ -19,6 +19,7 @@ from dataclasses import asdict
 import torch
 
 from prefixmesh.cache_registry.types import BlockHash, Tier
+from prefixmesh.cli_help import command_parser
 from prefixmesh.kernels.ops import gather_blocks
 from prefixmesh.loadtest.bench.kernels import (
     CEILING,
@@ -34,9 +35,9 @@ from prefixmesh.replica.kvcache.store import TierStore
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = command_parser(prog, __doc__)
     add_layout_args(parser, tokens="2048,8192,32768")
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--json", help="write the results here, JSON (default: none)")
     return parser.parse_args(argv)
 
 

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from prefixmesh.cli_help import command_parser
 from prefixmesh.loadtest.sse import StreamResult, read_stream
 
 ENGINE_INTERVAL = "prefixmesh_engine_token_interval_seconds"
@@ -271,29 +272,39 @@ def served_model(target: str) -> str:
 
 
 def parse_args(argv: Sequence[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="http://127.0.0.1:8000", help="OpenAI API base")
-    parser.add_argument("--streams", type=int, default=10)
-    parser.add_argument("--tokens", type=int, default=400)
+    parser = command_parser(prog, __doc__)
+    parser.add_argument(
+        "--target", default="http://127.0.0.1:8000", help="base URL of the OpenAI API"
+    )
+    parser.add_argument("--streams", type=int, default=10, help="streamed completions to send")
+    parser.add_argument(
+        "--tokens", type=int, default=400, help="output tokens per stream, eos ignored"
+    )
     parser.add_argument("--concurrency", type=int, default=1, help="streams in flight at once")
-    parser.add_argument("--chat", action="store_true", help="chat completions (default: text)")
-    parser.add_argument("--model", help="default: the first model the target lists")
+    parser.add_argument(
+        "--chat", action="store_true", help="chat completions instead of text completions"
+    )
+    parser.add_argument("--model", help="model name (default: none, the first the target lists)")
     parser.add_argument(
         "--metrics-url",
         action="append",
-        help="replica metrics to read the engine's intervals from, repeatable (default: the "
-        "target's /metrics; on a cluster, Ray's metrics agent endpoint covers every replica)",
+        help="replica metrics to read the engine's intervals from, repeatable (default: none, "
+        "the target's /metrics; on a cluster, Ray's metrics agent endpoint covers every replica)",
     )
-    parser.add_argument("--stall-ms", type=float, default=100.0, help="a gap this long is a stall")
-    parser.add_argument("--timeout-s", type=float, default=120.0, help="per stream")
+    parser.add_argument(
+        "--stall-ms", type=float, default=100.0, help="a gap this long is a stall, in ms"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=120.0, help="each stream's time limit, in s"
+    )
     parser.add_argument(
         "--settle-s",
         type=float,
         default=0.5,
-        help="wait this long before the second scrape (Ray's metrics agent: 12, it exports every "
-        "10 s)",
+        help="wait this long before the second scrape, in s (Ray's metrics agent: 12, it "
+        "exports every 10 s)",
     )
-    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--json", help="write the report here, JSON (default: none)")
     return parser.parse_args(list(argv))
 
 

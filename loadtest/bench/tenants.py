@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from prefixmesh.cli_help import command_parser
 from prefixmesh.config import load_config
 from prefixmesh.loadtest.local_redis import LocalRedisServer
 from prefixmesh.loadtest.poisson import exponential_arrivals, percentile
@@ -40,6 +41,8 @@ from prefixmesh.local_ray import configure_environment, init_local_ray, stop_hap
 from prefixmesh.ports import free_port
 
 KEYS = {"light": "sk-bench-light", "heavy": "sk-bench-heavy"}
+SCENARIOS = ("alone", "fifo", "fair", "quota", "quota+fair")
+"""What ``--scenarios`` may name (``scenarios``); ``fair`` and ``quota+fair`` take ``:N``."""
 VOCAB_LOW, VOCAB_HIGH = 300, 8000
 """Ordinary merged tokens of the demo vocabulary: random prompts share no prefix."""
 
@@ -181,20 +184,55 @@ def _deploy_and_play(
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--light-rate", type=float, default=1.0, help="requests per second")
-    parser.add_argument("--heavy-factor", type=float, default=10.0)
-    parser.add_argument("--duration-s", type=float, default=60.0)
-    parser.add_argument("--prompt-tokens", type=int, default=1000)
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--scenarios", default="alone,fifo,fair,quota")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout-s", type=float, default=60.0)
-    parser.add_argument("--checks", type=int, default=0, metavar="N")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--json", type=Path)
-    return parser.parse_args(argv)
+    parser = command_parser(prog, __doc__)
+    parser.add_argument("--replicas", type=int, default=1, help="sim replicas in the cluster")
+    parser.add_argument(
+        "--light-rate", type=float, default=1.0, help="the light tenant's requests per second"
+    )
+    parser.add_argument(
+        "--heavy-factor",
+        type=float,
+        default=10.0,
+        help="the heavy tenant's rate over the light tenant's",
+    )
+    parser.add_argument("--duration-s", type=float, default=60.0, help="arrival window, in s")
+    parser.add_argument("--prompt-tokens", type=int, default=1000, help="tokens per prompt")
+    parser.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
+    parser.add_argument(
+        "--scenarios",
+        default="alone,fifo,fair,quota",
+        help=f"comma-separated, in run order, of {', '.join(SCENARIOS)}; fair:N and "
+        "quota+fair:N set the fair share's prefill budget to N tokens",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=60.0,
+        help="each request's time limit, in s (also ingress.request_timeout_s)",
+    )
+    parser.add_argument(
+        "--checks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time the API-key and quota checks over N sequential requests and a 10 MB "
+        "body's refusal; 0: off",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override a config field for every scenario; repeatable",
+    )
+    parser.add_argument("--json", type=Path, help="write the results here (default: none)")
+    args = parser.parse_args(argv)
+    unknown = {label.partition(":")[0] for label in args.scenarios.split(",")} - set(SCENARIOS)
+    if unknown:
+        parser.error(f"--scenarios: unknown {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
+    return args
 
 
 def main(argv: list[str], prog: str = "prefixmesh tenant-bench") -> int:

@@ -35,7 +35,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from prefixmesh.cli_help import command_parser
 from prefixmesh.config import ENGINE_BLOCK_SIZES, load_config
+from prefixmesh.replica.kvcache.policy import POLICY_NAMES as CACHE_POLICY_NAMES
 
 QUESTION_TOKENS = 32
 VARIANTS = ("none", "cpu", "cpu-beside", "disk")
@@ -67,29 +69,68 @@ class VariantResult:
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-size", choices=("tiny", "small"), default="small")
-    p.add_argument("--prefixes", type=int, default=16)
-    p.add_argument("--prefix-tokens", type=int, default=2048)
-    p.add_argument("--engine-prompts", type=int, default=4, help="engine cache size, in prompts")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--variants", default="none,cpu,disk")
-    p.add_argument("--policy", default="lru", help="kvcache.policy of the connector")
+    p = command_parser(prog, __doc__)
+    p.add_argument(
+        "--model-size", choices=("tiny", "small"), default="small", help="the demo model's size"
+    )
+    p.add_argument("--prefixes", type=int, default=16, help="distinct prefix prompts")
+    p.add_argument("--prefix-tokens", type=int, default=2048, help="tokens per prefix prompt")
+    p.add_argument(
+        "--engine-prompts",
+        type=int,
+        default=4,
+        help="the engine's KV cache size, in prefix prompts",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=3, help="rounds over every prefix, the first one cold"
+    )
+    p.add_argument(
+        "--variants",
+        default="none,cpu,disk",
+        help=f"comma-separated, of {', '.join(VARIANTS)}",
+    )
+    p.add_argument(
+        "--policy",
+        choices=CACHE_POLICY_NAMES,
+        default="lru",
+        help="kvcache.policy of the KV connector's tiers",
+    )
     p.add_argument(
         "--block-size",
         type=int,
         default=ENGINE_BLOCK_SIZES["vllm"],
-        help="tokens per KV block (default: vLLM's, as the replicas run it)",
+        help="tokens per KV block; vLLM's, as the replicas run it",
     )
     p.add_argument(
         "--cpu-cores",
         default=None,
-        help="vLLM CPU worker's cores for every variant, e.g. 0-1 (default: all of them); vLLM's "
-        "own choice differs with and without a KV connector (1 vs 2 cores on a 2-core machine)",
+        help="vLLM CPU worker's cores for every variant, e.g. 0-1 (default: none, all of them); "
+        "vLLM's own choice differs with and without a KV connector (1 vs 2 cores on a 2-core "
+        "machine)",
     )
-    p.add_argument("--drop-caches", action="store_true")
-    p.add_argument("--disk-dir", default=None, help="default: a fresh temporary folder")
-    p.add_argument("--json", default=None)
+    p.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="drop the kernel's page cache before each disk-variant request, so disk hits are "
+        "real reads (root only)",
+    )
+    p.add_argument(
+        "--disk-dir",
+        default=None,
+        help="the disk tier's folder (default: none, a fresh temporary one)",
+    )
+    p.add_argument("--json", default=None, help="write the results here, JSON (default: none)")
+    _add_stall_args(p)
+    _add_queue_args(p)
+    args = p.parse_args(argv)
+    if args.prefix_tokens % args.block_size or args.prefix_tokens <= 0:
+        p.error("--prefix-tokens must be a positive multiple of --block-size")
+    if not set(args.variants.split(",")) <= set(VARIANTS):
+        p.error(f"--variants: a comma-separated subset of {','.join(VARIANTS)}")
+    return args
+
+
+def _add_stall_args(p: argparse.ArgumentParser) -> None:
     stall = p.add_argument_group("stall check (loadtest/bench/stall.py)")
     stall.add_argument(
         "--stall-check",
@@ -101,9 +142,21 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         action="store_true",
         help="also run it with loads inside the step that needs them (kvcache.async_loads off)",
     )
-    stall.add_argument("--stall-tier", choices=("disk", "cpu"), default="disk")
-    stall.add_argument("--decoders", type=int, default=4)
-    stall.add_argument("--decode-tokens", type=int, default=800)
+    stall.add_argument(
+        "--stall-tier",
+        choices=("disk", "cpu"),
+        default="disk",
+        help="the lower tier that holds every prefix",
+    )
+    stall.add_argument(
+        "--decoders", type=int, default=4, help="requests decoding side by side meanwhile"
+    )
+    stall.add_argument(
+        "--decode-tokens", type=int, default=800, help="output tokens per decoding request"
+    )
+
+
+def _add_queue_args(p: argparse.ArgumentParser) -> None:
     queue = p.add_argument_group("queue check (loadtest/bench/queue_check.py)")
     queue.add_argument(
         "--queue-check",
@@ -111,14 +164,23 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         help="instead of the variants: requests waiting behind a long prefill, prefixes on disk,"
         " with kvcache.prefetch_blocks 0 and --queue-prefetch-blocks",
     )
-    queue.add_argument("--queue-waiting", type=int, default=4, help="waiting requests a round")
-    queue.add_argument("--queue-long-tokens", type=int, default=3968)
-    queue.add_argument("--queue-step-tokens", type=int, default=512, help="the step's budget")
+    queue.add_argument(
+        "--queue-waiting",
+        type=int,
+        default=4,
+        help="requests waiting behind the long prompt, per round",
+    )
+    queue.add_argument(
+        "--queue-long-tokens", type=int, default=3968, help="tokens of the long cold prompt"
+    )
+    queue.add_argument(
+        "--queue-step-tokens", type=int, default=512, help="the engine step's budget, in tokens"
+    )
     queue.add_argument(
         "--queue-prefetch-blocks",
         type=int,
         default=256,
-        help="kvcache.prefetch_blocks of the variant with promotions",
+        help="kvcache.prefetch_blocks of the variant with promotions, in blocks",
     )
     queue.add_argument(
         "--queue-beside",
@@ -130,14 +192,9 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         type=int,
         choices=(1, 2),
         default=1,
-        help="2: both variants twice, in the order without, with, with, without",
+        help="1: each variant once, without then with promotions; 2: both twice, in the order "
+        "without, with, with, without",
     )
-    args = p.parse_args(argv)
-    if args.prefix_tokens % args.block_size or args.prefix_tokens <= 0:
-        p.error("--prefix-tokens must be a positive multiple of --block-size")
-    if not set(args.variants.split(",")) <= set(VARIANTS):
-        p.error(f"--variants: a comma-separated subset of {','.join(VARIANTS)}")
-    return args
 
 
 def page_bytes(model_path: Path, block_size: int) -> int:

@@ -1,7 +1,8 @@
 """Every error a prefixmesh HTTP server answers, in OpenAI's JSON shape
 (``{"error": {"message", "type", "param", "code"}}``): the ones our handlers raise
 (``APIError``), and the ones FastAPI and Starlette raise before a handler runs (an unknown path
-404, a wrong method 405, a parameter that fails validation 422) or a handler that fails (500).
+404, a wrong method 405, a parameter that fails validation 400 with OpenAI's ``code``) or a
+handler that fails (500).
 
 ``install_error_handlers`` puts the handlers on an app; the direct path's replica and router,
 the proxy path's ingress and the standalone replica server install them where they make their
@@ -11,6 +12,7 @@ app (before ``serve.ingress`` copies it).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -108,14 +110,113 @@ def http_error(method: str, path: str, status: int, detail: Any) -> APIError:
     return APIError(status, message, error_type=error_type_of(status))
 
 
-def validation_error(errors: list[Any]) -> APIError:
-    """FastAPI's 422 for a parameter or body field: the first problem, ``param`` naming the
-    field (the location without its ``body``/``query`` part)."""
-    first = errors[0] if errors else {}
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
-    param = ".".join(loc) or None
-    message = str(first.get("msg", "invalid request"))
-    return APIError(422, f"{param}: {message}" if param else message, param=param)
+_TYPE_NAMES = {
+    "int": "an integer",
+    "float": "a decimal",
+    "string": "a string",
+    "bool": "a boolean",
+    "list": "an array",
+    "dict": "an object",
+    "model": "an object",
+    "model_attributes": "an object",
+}
+
+
+def _json_type(value: Any) -> str:
+    """A JSON value's type as OpenAI's messages name it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def field_path(loc: Sequence[Any]) -> str | None:
+    """Pydantic's error location as OpenAI names a parameter (``messages[0].role``): the body
+    or query part dropped, and the union members pydantic names (``str``, ``list[int]``,
+    ``TextPart``: never lower-case identifiers, as our fields are) cut off."""
+    path = ""
+    for part in loc:
+        if part in ("body", "query", "path"):
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif (
+            isinstance(part, str)
+            and part.isidentifier()
+            and part.islower()
+            and part not in _UNION_MEMBERS
+        ):
+            path += f".{part}" if path else part
+        else:
+            break
+    return path or None
+
+
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _bound_error(kind: str, param: str, error: Mapping[str, Any]) -> tuple[str, str]:
+    """The message and code of a number outside its bounds (pydantic's ``greater_than...``)."""
+    ctx = error.get("ctx") or {}
+    value = error.get("input")
+    number = "integer" if isinstance(value, int) and not isinstance(value, bool) else "decimal"
+    below = kind.startswith("greater")
+    sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<="}.get(kind, "<")
+    bound = next(iter(ctx.values()), "?")
+    side = "below minimum" if below else "above maximum"
+    message = (
+        f"Invalid '{param}': {number} {side} value. Expected a value {sign} {bound}, but got "
+        f"{value} instead."
+    )
+    return message, f"{number}_{'below_min' if below else 'above_max'}_value"
+
+
+def field_error(error: Mapping[str, Any]) -> APIError:
+    """One pydantic or FastAPI validation problem as OpenAI answers it: 400, ``param`` naming
+    the field, ``code`` saying what is wrong (``missing_required_parameter``, ``invalid_type``,
+    ``integer_below_min_value``, ``empty_array``, ``invalid_value``)."""
+    kind = str(error.get("type", ""))
+    param = field_path(error.get("loc", ()))
+    name = param or "body"
+    value = error.get("input")
+    if kind == "missing":
+        return APIError(
+            400,
+            f"Missing required parameter: '{name}'.",
+            param=param,
+            code="missing_required_parameter",
+        )
+    expected = kind.removesuffix("_type").removesuffix("_parsing")
+    if kind.endswith(("_type", "_parsing")) and expected in _TYPE_NAMES:
+        message = (
+            f"Invalid type for '{name}': expected {_TYPE_NAMES[expected]}, but got "
+            f"{_json_type(value)} instead."
+        )
+        return APIError(400, message, param=param, code="invalid_type")
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        message, code = _bound_error(kind, name, error)
+        return APIError(400, message, param=param, code=code)
+    if kind == "too_short" and isinstance(value, list) and not value:
+        message = (
+            f"Invalid '{name}': empty array. Expected an array with minimum length "
+            f"{(error.get('ctx') or {}).get('min_length', 1)}, but got an empty array instead."
+        )
+        return APIError(400, message, param=param, code="empty_array")
+    message = f"Invalid '{name}': {error.get('msg', 'invalid value')}."
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """A request that failed validation, as OpenAI answers it: its first problem
+    (``field_error``)."""
+    return field_error(errors[0] if errors else {"type": "value_error", "loc": ()})
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -2,7 +2,9 @@
 
 Wraps the replica's token stream: tells the router's ledger about the first token and the end,
 detokenizes incrementally, applies stop strings (and then closes the stream, which aborts the
-request in the engine and frees its KV), and keeps the usage numbers.
+request in the engine and frees its KV), and keeps the usage numbers. A request for ``n``
+choices streams its choices' chunks interleaved (``GenerateChunk.index``); each choice has its
+own detokenizer and stop, and the stream closes once every choice has ended.
 """
 
 from __future__ import annotations
@@ -35,6 +37,57 @@ class Usage:
 class TextDelta:
     text: str
     finish_reason: str | None = None
+    index: int = 0
+    """The choice this text belongs to (0 unless the request asked for ``n`` > 1)."""
+
+
+class _Choice:
+    """One choice's text so far and whether it has ended. Text that could begin a stop string
+    is held back until the next tokens tell (as vLLM does), so a stop string split over two
+    chunks never reaches the client."""
+
+    def __init__(self, decode: Decode, stop: list[str]) -> None:
+        self.detokenizer = IncrementalDetokenizer(decode)
+        self.stop = [s for s in stop if s]
+        self.ended = False
+        self._sent = 0
+        """Characters of the text already handed out."""
+
+    def add(self, chunk: GenerateChunk) -> TextDelta | None:
+        """The text ``chunk`` adds (cut at a stop string, which ends the choice), or None."""
+        self.detokenizer.add(chunk.token_ids)
+        if chunk.finished:
+            self.detokenizer.flush()
+        text = self.detokenizer.text
+        stop_at = self._find_stop(text)
+        if stop_at is not None:
+            self.ended = True
+            return TextDelta(text[self._sent : max(stop_at, self._sent)], "stop", chunk.index)
+        if chunk.finished:
+            self.ended = True
+            return TextDelta(text[self._sent :], chunk.finish_reason or "stop", chunk.index)
+        ready = len(text) - self._held_back(text)
+        if ready <= self._sent:
+            return None
+        delta = TextDelta(text[self._sent : ready], None, chunk.index)
+        self._sent = ready
+        return delta
+
+    def _find_stop(self, text: str) -> int | None:
+        # Only the part not yet searched can hold a new match (a stop string's length back).
+        start = max(0, self._sent - max((len(s) for s in self.stop), default=0))
+        positions = [p for s in self.stop if (p := text.find(s, start)) >= 0]
+        return min(positions) if positions else None
+
+    def _held_back(self, text: str) -> int:
+        """The length of the longest end of ``text`` that begins some stop string."""
+        longest = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
 
 
 class Generation:
@@ -49,16 +102,17 @@ class Generation:
         request: GenerateRequest | None = None,
         started_s: float | None = None,
         routed: Callable[[], RouteTicket | None] | None = None,
+        choices: int = 1,
     ) -> None:
         """``routed``: how to learn the routing decision of a request sent without one (the
         proxy path's ingress takes it from the state it shares with the request router),
-        called once, when the first output or the failure before it arrives."""
+        called once, when the first output or the failure before it arrives. ``choices``: the
+        request's ``n``."""
         self._stream = stream
         self.ticket: RouteTicket | None = request.ticket if request is not None else None
         """The routing decision: the request's own, or what ``routed`` returned."""
         self._routed = routed
-        self._detokenizer = IncrementalDetokenizer(decode)
-        self._stop = stop_strings
+        self._choices = [_Choice(decode, stop_strings) for _ in range(max(1, choices))]
         self._on_first_token = on_first_token
         self._on_end = on_end
         self.usage = Usage(prompt_tokens)
@@ -103,36 +157,31 @@ class Generation:
             return self.replica_id
         return self.ticket.replica_id if self.ticket is not None else ""
 
+    @property
+    def choices(self) -> int:
+        return len(self._choices)
+
     async def deltas(self) -> AsyncIterator[TextDelta]:
+        """Each choice's text as it comes, and one delta with its finish reason at its end."""
         try:
             chunk = self._pending
             while chunk is not None:
                 self.usage.completion_tokens += len(chunk.token_ids)
-                text = self._detokenizer.add(chunk.token_ids)
-                if chunk.finished:
-                    text += self._detokenizer.flush()
-                stop_at = self._find_stop()
-                if stop_at is not None:
-                    keep = len(text) - (len(self._detokenizer.text) - stop_at)
-                    yield TextDelta(text[: max(keep, 0)], "stop")
+                choice = self._choices[chunk.index]
+                delta = None if choice.ended else choice.add(chunk)
+                if delta is not None:
+                    yield delta
+                if all(c.ended for c in self._choices):
                     return
-                if chunk.finished:
-                    yield TextDelta(text, chunk.finish_reason or "stop")
-                    return
-                if text:
-                    yield TextDelta(text)
                 try:
                     chunk = await self._stream.__anext__()
                 except StopAsyncIteration:
                     chunk = None
-            yield TextDelta("", "stop")
+            for index, choice in enumerate(self._choices):
+                if not choice.ended:
+                    yield TextDelta("", "stop", index)
         finally:
             self.close()
-
-    def _find_stop(self) -> int | None:
-        text = self._detokenizer.text
-        positions = [p for s in self._stop if s and (p := text.find(s)) >= 0]
-        return min(positions) if positions else None
 
     def close(self) -> None:
         """End the request: cancel the replica stream if it is still running (aborting it in

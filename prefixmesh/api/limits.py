@@ -191,8 +191,10 @@ class RequestLimits:
         least = self.least_prompt_tokens(body)
         # The engine needs room for one token at least (``engine_sampling``).
         if least is not None and least + (max_tokens or 1) > self.max_model_len:
+            # The completion's fault when the prompt alone would fit (as engine_sampling).
+            blamed = param if least < self.max_model_len else body.prompt_param
             raise context_length_exceeded(
-                self.max_model_len, least, max_tokens, body.prompt_param, at_least=True
+                self.max_model_len, least, max_tokens, blamed, at_least=True
             )
 
     def deadline(self, elapsed_s: float = 0.0) -> float:

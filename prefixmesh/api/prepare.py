@@ -2,12 +2,12 @@
 
 Every OpenAI server (the direct path's router and replica, the proxy path's ingress, the
 standalone replica server) prepares a request here, in one order, each step cheaper than the
-work it saves: read the body within the limit (413), parse it (400/422), check the model (404),
-the limits before tokenizing (``limits.admit``: 400), tokenize (422 for a token id out of the
-vocabulary), the engine's sampling settings (422/400 ``context_length_exceeded``), the prompt's
-``PrefixKey``, and the request's priority (400). Authentication comes before (the tenant is
-known before the body is read, ``auth.request_tenant``); quotas after (``quota.TenantQuotas``:
-a request the front door refuses is never charged).
+work it saves: read the body within the limit (413), parse it (400), check the model (404),
+the limits before tokenizing (``limits.admit``: 400), tokenize (400 for a token id out of the
+vocabulary), the engine's sampling settings (400, ``context_length_exceeded`` among them),
+the prompt's ``PrefixKey``, and the request's priority (400). Authentication comes before (the
+tenant is known before the body is read, ``auth.request_tenant``); quotas after
+(``quota.TenantQuotas``: a request the front door refuses is never charged).
 
 The tokenizer and the hasher come in through the small protocols below, so a test gives fakes.
 """

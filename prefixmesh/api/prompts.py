@@ -24,7 +24,12 @@ class PromptEncoder:
     async def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             if any(not 0 <= t < self._vocab_size for t in prompt):
-                raise APIError(422, "prompt token ids out of the vocabulary", param="prompt")
+                raise APIError(
+                    400,
+                    "prompt token ids out of the vocabulary",
+                    param="prompt",
+                    code="invalid_value",
+                )
             return list(prompt)
         # Tokenizing a long prompt takes milliseconds of CPU: off the event loop.
         return list(await asyncio.to_thread(lambda: self.hf(prompt)["input_ids"]))

@@ -1,26 +1,30 @@
 """The OpenAI API surface the servers accept: the request models and their parsing (the
 errors are ``errors.py``'s).
 
-Status codes: malformed JSON 400 (an integer past Python's 4,300 digits and nesting past its
-recursion limit included); a string that is not Unicode text (a lone surrogate, ``"\\ud800"``,
-which no tokenizer takes) in a field 400 with ``param`` naming it; a missing, wrong-typed or
-out-of-range field 422 (with ``param`` naming it); an option we do not support (n > 1,
-logprobs, echo) 400; an unknown model 404; a prompt that does not fit the context 400 with code
-``context_length_exceeded`` and ``param`` ``prompt`` or ``messages``, as OpenAI answers (the
-openai SDK raises ``BadRequestError``). Unknown extra fields are ignored, as vLLM does. The
-limits checked before parsing and tokenizing (body size, ``max_tokens`` cap) are in
-``limits.py``.
+Status codes, as OpenAI and vLLM answer (the openai SDK raises ``BadRequestError`` for every
+400): malformed JSON 400 (an integer past Python's 4,300 digits and nesting past its recursion
+limit included); a string that is not Unicode text (a lone surrogate, ``"\\ud800"``, which no
+tokenizer takes) in a field 400 with ``param`` naming it; a missing, wrong-typed or
+out-of-range field 400 with ``param`` naming it and OpenAI's ``code``
+(``errors.field_error``); a field vLLM serves that we do not (``UNSERVED``) 400 with code
+``unsupported_parameter``; an unknown model 404; a prompt that does not fit the context 400
+with code ``context_length_exceeded`` and ``param`` the prompt's field (or ``max_tokens`` when
+the prompt fits and the completion does not). Unknown extra fields are ignored, as vLLM does.
+The limits checked before parsing and tokenizing (body size, ``max_tokens`` cap) are in
+``limits.py``; docs/api.md has the table, field by field.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from prefixmesh.api.errors import APIError, context_length_exceeded
+from prefixmesh.api.errors import APIError, context_length_exceeded, field_error
 from prefixmesh.wire import SamplingSettings
 
 
@@ -36,9 +40,21 @@ class _Sampling(_Request):
     prompt_param: ClassVar[str] = "prompt"
     """The field a context-length error names (OpenAI: ``prompt``, or ``messages``)."""
     model: str
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    """None: 1.0, OpenAI's default."""
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=128)
+    """Choices (OpenAI's bound: 128), each an engine request of its own."""
+    top_k: int | None = Field(default=None, ge=-1)
+    """vLLM's: 0 or -1 (and None) consider every token."""
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -66,33 +82,53 @@ class _Sampling(_Request):
         max_tokens_cap: int | None = None,
     ) -> SamplingSettings:
         """The engine's settings for a tokenized prompt, once it is known to fit: an empty
-        prompt is 422, a prompt or ``max_tokens`` past the context length 400
+        prompt is 400, a prompt or ``max_tokens`` past the context length 400
         ``context_length_exceeded``. Without ``max_tokens`` the request may use the rest of the
         context, up to ``max_tokens_cap`` (``limits.max_tokens``, checked against an explicit
         ``max_tokens`` before tokenizing)."""
         if prompt_tokens <= 0:
-            raise APIError(422, "the prompt is empty", param=self.prompt_param)
+            raise APIError(400, "the prompt is empty", param=self.prompt_param, code="empty_prompt")
         room = max_model_len - prompt_tokens
-        if room <= 0 or (max_tokens is not None and max_tokens > room):
+        if room <= 0:
             raise context_length_exceeded(
                 max_model_len, prompt_tokens, max_tokens, self.prompt_param
             )
+        if max_tokens is not None and max_tokens > room:
+            _, asked_by = self.requested_max_tokens()
+            raise context_length_exceeded(max_model_len, prompt_tokens, max_tokens, asked_by)
         if max_tokens is None:
             max_tokens = room if max_tokens_cap is None else min(room, max_tokens_cap)
+        if self.min_tokens > max_tokens:
+            message = f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})"
+            raise APIError(400, message, param="min_tokens", code="invalid_value")
+        eos = () if self.ignore_eos or eos_token_id is None else (eos_token_id,)
         return SamplingSettings(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed,
-            stop_token_ids=() if self.ignore_eos or eos_token_id is None else (eos_token_id,),
+            stop_token_ids=tuple(self.stop_token_ids or ()) + eos,
             ignore_eos=self.ignore_eos,
+            n=self.n,
+            top_k=max(self.top_k or 0, 0),
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            min_tokens=self.min_tokens,
         )
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The tokens asked for (None: the rest of the context) and the field that asked."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
 
     def prompt_extent(self) -> tuple[int, bool]:
         """The prompt's length without tokenizing it, and whether that counts token ids
@@ -126,6 +162,9 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def prompt_extent(self) -> tuple[int, bool]:
         """The messages' characters (the chat template adds to them), not token ids."""
@@ -173,7 +212,7 @@ RequestT = TypeVar("RequestT", bound=_Sampling)
 
 
 def parse_body(raw: bytes, model: type[RequestT]) -> RequestT:
-    """JSON bytes -> a validated request, or an ``APIError`` (400 or 422)."""
+    """JSON bytes -> a validated request, or a 400 ``APIError``."""
     data = loads(raw)
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -184,14 +223,57 @@ def parse_body(raw: bytes, model: type[RequestT]) -> RequestT:
     try:
         request = model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        # The top-level field: deeper parts name union members ("prompt.str"), not fields.
-        param = str(first["loc"][0]) if first["loc"] else None
-        raise APIError(422, f"{param}: {first['msg']}", param=param) from None
-    if request.n != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
-    if request.logprobs not in (None, False, 0):
-        raise APIError(400, "logprobs are not supported", param="logprobs")
-    if isinstance(request, CompletionRequest) and request.echo:
-        raise APIError(400, "echo is not supported", param="echo")
+        raise field_error(exc.errors()[0]) from None
+    for unserved in UNSERVED:
+        if unserved.asked(request):
+            message = f"{unserved.field}: {unserved.reason}"
+            raise APIError(400, message, param=unserved.field, code="unsupported_parameter")
     return request
+
+
+@dataclass(frozen=True, slots=True)
+class Unserved:
+    """A field vLLM's OpenAI server takes that we do not serve yet, refused when it asks for
+    something (its default passes)."""
+
+    field: str
+    reason: str
+    asked: Callable[[_Sampling], bool]
+
+
+def _value(field: str) -> Callable[[_Sampling], Any]:
+    return lambda request: getattr(request, field, None)
+
+
+UNSERVED: tuple[Unserved, ...] = (
+    Unserved(
+        "logprobs",
+        "log probabilities are not served (the engines stream token ids only)",
+        lambda r: r.logprobs is not None and r.logprobs is not False,
+    ),
+    Unserved(
+        "top_logprobs",
+        "log probabilities are not served",
+        lambda r: bool(_value("top_logprobs")(r)),
+    ),
+    Unserved("echo", "echoing the prompt is not served", lambda r: bool(_value("echo")(r))),
+    Unserved("suffix", "a suffix (insertion) is not served", lambda r: bool(_value("suffix")(r))),
+    Unserved(
+        "best_of",
+        "best_of above n is not served (vLLM's V1 engine has none either)",
+        lambda r: (_value("best_of")(r) or r.n) > r.n,
+    ),
+    Unserved("logit_bias", "logit biases are not served", lambda r: bool(r.logit_bias)),
+    Unserved(
+        "response_format",
+        "structured output (json_object, json_schema) is not served; only type text",
+        lambda r: r.response_format is not None and r.response_format.get("type") != "text",
+    ),
+    Unserved("tools", "tool calling is not served", lambda r: bool(_value("tools")(r))),
+    Unserved(
+        "tool_choice",
+        "tool calling is not served; only tool_choice none",
+        lambda r: _value("tool_choice")(r) not in (None, "none"),
+    ),
+)
+"""What we refuse, in the order a request is checked (docs/api.md lists them)."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prefixmesh.api.errors import APIError
@@ -57,14 +58,27 @@ def mid_stream_error(exc: BaseException) -> APIError:
 
 
 def choice_delta(delta: TextDelta, chat: bool) -> dict[str, Any]:
+    index, finish = delta.index, delta.finish_reason
     if chat:
         content = {"content": delta.text} if delta.text else {}
-        return {"index": 0, "delta": content, "finish_reason": delta.finish_reason}
-    return {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+        return {"index": index, "delta": content, "finish_reason": finish}
+    return {"index": index, "text": delta.text, "logprobs": None, "finish_reason": finish}
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceOutput:
+    """One choice's whole text and why it ended."""
+
+    text: str
+    finish_reason: str = "stop"
 
 
 def full_body(
-    request_id: str, model: str, chat: bool, text: str, finish: str, generation: Generation
+    request_id: str,
+    model: str,
+    chat: bool,
+    outputs: Sequence[ChoiceOutput],
+    generation: Generation,
 ) -> dict[str, Any]:
     base: dict[str, Any] = {
         "id": request_id,
@@ -73,21 +87,35 @@ def full_body(
         "usage": generation.usage.as_dict(),
     }
     if chat:
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "finish_reason": finish}
-        return {**base, "object": "chat.completion", "choices": [choice]}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {**base, "object": "text_completion", "choices": [choice]}
+        chat_choices = [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": output.text},
+                "finish_reason": output.finish_reason,
+            }
+            for index, output in enumerate(outputs)
+        ]
+        return {**base, "object": "chat.completion", "choices": chat_choices}
+    text_choices = [
+        {
+            "index": index,
+            "text": output.text,
+            "logprobs": None,
+            "finish_reason": output.finish_reason,
+        }
+        for index, output in enumerate(outputs)
+    ]
+    return {**base, "object": "text_completion", "choices": text_choices}
 
 
-async def collect(generation: Generation) -> tuple[str, str]:
-    """The whole output and its finish reason."""
-    parts: list[str] = []
-    finish = "stop"
+async def collect(generation: Generation) -> list[ChoiceOutput]:
+    """Every choice's whole output and finish reason, by index."""
+    parts: list[list[str]] = [[] for _ in range(generation.choices)]
+    finishes = ["stop"] * generation.choices
     async for delta in generation.deltas():
-        parts.append(delta.text)
-        finish = delta.finish_reason or finish
-    return "".join(parts), finish
+        parts[delta.index].append(delta.text)
+        finishes[delta.index] = delta.finish_reason or finishes[delta.index]
+    return [ChoiceOutput("".join(p), f) for p, f in zip(parts, finishes, strict=True)]
 
 
 async def sse_events(
@@ -107,9 +135,10 @@ async def sse_events(
         "model": model,
         "object": "chat.completion.chunk" if chat else "text_completion",
     }
-    if chat:
-        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        yield sse({**base, "choices": [role]})
+    if chat:  # the role first, in one chunk per choice (as vLLM sends it)
+        for index in range(generation.choices):
+            role = {"delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            yield sse({**base, "choices": [{"index": index, **role}]})
     try:
         async for delta in generation.deltas():
             yield sse({**base, "choices": [choice_delta(delta, chat)]})

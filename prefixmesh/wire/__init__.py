@@ -33,6 +33,15 @@ class SamplingSettings:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    """Choices to generate (``replica/engines/choices.py`` fans them out)."""
+    top_k: int = 0
+    """0: every token (vLLM's ``-1`` and ``0``)."""
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +92,8 @@ class GenerateChunk:
     replica_id: str = ""
     held_s: float = 0.0
     """Time the request waited in a delay-hit hold before entering the engine."""
+    index: int = 0
+    """The choice these tokens belong to (``SamplingSettings.n``)."""
 
 
 @dataclass(frozen=True, slots=True)

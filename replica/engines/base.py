@@ -35,6 +35,8 @@ class EngineChunk:
     """"stop" or "length" once finished, "abort" if the engine gave up on it."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (known from the first chunk on)."""
+    index: int = 0
+    """The choice of a request for several (``replica/engines/choices.py``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -302,6 +302,12 @@ class VllmEngine:
             seed=sampling.seed,
             stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,
+            top_k=sampling.top_k or -1,
+            min_p=sampling.min_p,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            repetition_penalty=sampling.repetition_penalty,
+            min_tokens=sampling.min_tokens,
             detokenize=False,  # the ingress detokenizes; the replica's CPU goes to the model
             output_kind=RequestOutputKind.DELTA,
         )

@@ -41,10 +41,12 @@ from prefixmesh.replica.engines.base import (
     BlockChange,
     CacheChangeSink,
     Engine,
+    EngineChunk,
     EngineRequest,
     HeldMirror,
     Residency,
 )
+from prefixmesh.replica.engines.choices import choice_chunks
 from prefixmesh.replica.events.progress import ProgressReporter
 from prefixmesh.replica.events.publisher import EventPublisher, EventTarget
 from prefixmesh.replica.events.shared_tier import SharedTierPublisher
@@ -268,10 +270,8 @@ class ReplicaCore:
             engine_request = EngineRequest(
                 rid, request.prompt_token_ids, request.sampling, engine_priority
             )
-            stream = self.engine.generate(engine_request)
-            if self._coalesce:
-                stream = coalesced(stream)
-            async for chunk in stream:
+            generate = self._coalesced if self._coalesce else self.engine.generate
+            async for chunk in choice_chunks(generate, engine_request):
                 if in_prefill:
                     in_prefill = False
                     self._first_token(rid)
@@ -285,6 +285,7 @@ class ReplicaCore:
                     chunk.num_cached_tokens,
                     self.replica_id,
                     held_s,
+                    chunk.index,
                 )
         except BaseException as exc:
             trace.failed(exc)
@@ -293,6 +294,9 @@ class ReplicaCore:
             announcement.withdraw()
             self._left(rid, output_tokens)
             trace.end(output_tokens, finish_reason)
+
+    def _coalesced(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        return coalesced(self.engine.generate(request))
 
     async def _wait_turn(
         self, request: GenerateRequest, trace: NoTrace, announcement: _Announcement

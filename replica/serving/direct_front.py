@@ -213,6 +213,7 @@ class DirectFront:
             lambda: settle_soon(self._quotas, slot, generation.usage.completion_tokens),
             request=generate,
             started_s=started_s,
+            choices=prepared.sampling.n,
         )
         try:
             async with asyncio.timeout_at(deadline):
@@ -248,11 +249,11 @@ class DirectFront:
             return StreamingResponse(bounded, media_type="text/event-stream", headers=headers)
         try:
             async with asyncio.timeout_at(deadline):
-                text, finish = await collect(generation)
+                outputs = await collect(generation)
         except TimeoutError:
             raise timed_out(front.limits.timeout_s) from None
         self.metrics.finished(generation)
-        payload = full_body(request_id, self._model, chat, text, finish, generation)
+        payload = full_body(request_id, self._model, chat, outputs, generation)
         return JSONResponse(payload, headers=headers)
 
     def _request(

@@ -50,6 +50,7 @@ from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.cache_registry.types import PrefixKey
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
+from prefixmesh.replica.engines.choices import choice_chunks
 from prefixmesh.replica.serving.engine_server import EngineHost, engine_routes
 from prefixmesh.wire import GenerateChunk
 
@@ -102,6 +103,7 @@ class _EngineStream:
             chunk.finish_reason,
             chunk.num_cached_tokens,
             self._replica_id,
+            index=chunk.index,
         )
 
     def cancel(self) -> None:
@@ -164,9 +166,15 @@ class ReplicaService:
         ids, sampling = prepared.prompt_token_ids, prepared.sampling
         request_id = new_request_id(chat)
         request = EngineRequest(request_id, ids, sampling)
-        stream = _EngineStream(self.host.generate(request), self.replica_id)
+        stream = _EngineStream(choice_chunks(self.host.generate, request), self.replica_id)
         generation = Generation(
-            stream, self.tokenizer.decode, len(ids), prepared.stop_strings(), _nothing, _nothing
+            stream,
+            self.tokenizer.decode,
+            len(ids),
+            prepared.stop_strings(),
+            _nothing,
+            _nothing,
+            choices=sampling.n,
         )
         try:
             async with asyncio.timeout_at(deadline):
@@ -190,10 +198,10 @@ class ReplicaService:
             return StreamingResponse(bounded, media_type="text/event-stream", headers=headers)
         try:
             async with asyncio.timeout_at(deadline):
-                text, finish = await collect(generation)
+                outputs = await collect(generation)
         except TimeoutError:
             raise timed_out(self.limits.timeout_s) from None
-        body_json = full_body(request_id, self.config.model, chat, text, finish, generation)
+        body_json = full_body(request_id, self.config.model, chat, outputs, generation)
         return JSONResponse(body_json, headers=headers)
 
     def _expired(self) -> APIError:
@@ -417,23 +425,38 @@ def make_service(config: PrefixmeshConfig, replica_id: str, rank: int = 0) -> Re
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=["sim", "vllm"], default="sim")
-    parser.add_argument("--port", type=int, required=True)
+    from prefixmesh.cli_help import command_parser
+
+    parser = command_parser(prog, __doc__)
+    parser.add_argument("--engine", choices=["sim", "vllm"], default="sim", help="the engine")
+    parser.add_argument("--port", type=int, required=True, help="TCP port to listen on")
     parser.add_argument(
         "--host",
         default="127.0.0.1",
-        help="listen address (default loopback; anything else exposes the replica)",
+        help="listen address; anything but loopback exposes the replica",
     )
-    parser.add_argument("--replica-id", help="name in headers and metrics (default r<port>)")
+    parser.add_argument("--replica-id", help="name in headers and metrics (default: none, r<port>)")
     parser.add_argument(
         "--rank", type=int, default=0, help="vllm on CPU: bind the engine to core rank mod cores"
     )
-    parser.add_argument("--config", help="YAML config (model, cache, replica.sim, replica.vllm)")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE"
+        "--config",
+        help="YAML config: model, cache, replica.sim, replica.vllm (default: none, the embedded "
+        "defaults)",
     )
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override a config field; repeatable",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        help="uvicorn's and the logs' level: critical, error, warning, info or debug",
+    )
     return parser.parse_args(argv)
 
 

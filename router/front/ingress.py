@@ -37,6 +37,7 @@ from prefixmesh.api.render import (
     REPLICA_FAILED,
     REPLICA_HEADER,
     RETRIES_HEADER,
+    ChoiceOutput,
     brief,
     collect,
     full_body,
@@ -64,7 +65,7 @@ api = install_error_handlers(
 )
 
 
-async def _started(generation: Generation) -> tuple[str, str] | None:
+async def _started(generation: Generation) -> list[ChoiceOutput] | None:
     """A streamed response needs nothing more than its first token before it is sent."""
     del generation
     return None
@@ -238,11 +239,11 @@ class IngressServer:
                 generation, request_id, chat, prepared.include_usage, trace, deadline, context.slot
             )
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        text, finish_reason = done.result or ("", "stop")
+        outputs = done.result or [ChoiceOutput("")]
         self._metrics.finished(generation)
         trace.end(generation)
         self._settle(context.slot, generation)
-        body_json = full_body(request_id, self.config.model, chat, text, finish_reason, generation)
+        body_json = full_body(request_id, self.config.model, chat, outputs, generation)
         return JSONResponse(body_json, headers=headers)
 
     def _settle(self, slot: QuotaSlot | None, generation: Generation | None) -> None:
@@ -277,6 +278,7 @@ class IngressServer:
             request=request,
             started_s=started_s,
             routed=routed,
+            choices=request.sampling.n,
         )
 
     async def _stream(

@@ -121,11 +121,12 @@ def test_errors_are_openai_json_with_the_ingress_statuses(
     cluster, _ = direct
     cases: list[tuple[dict[str, Any] | bytes, int, str | None]] = [
         (b"{not json", 400, None),
-        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "nope", "prompt": "x"}, 404, "model"),
-        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
-        # prompt + max_tokens past the context length: OpenAI's 400 (issue 17)
-        ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+        # prompt + max_tokens past the context length: OpenAI's 400 (issue 17), blamed on the
+        # completion when the prompt alone fits (issue 38)
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x" * (MAX_BODY_BYTES + 10)}, 413, None),
     ]
     for body, status, param in cases:
@@ -134,10 +135,20 @@ def test_errors_are_openai_json_with_the_ingress_statuses(
         error = response.json()["error"]
         assert error["message"] and error["type"]
         assert error["param"] == param
-        if status == 400 and param == "prompt":
+        if status == 400 and param == "max_tokens" and body != cases[1][0]:
             assert error["code"] == "context_length_exceeded", error
     chat = post(cluster, {"model": MODEL, "messages": []}, "/v1/chat/completions")
-    assert chat.status_code == 422 and chat.json()["error"]["param"] == "messages"
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+
+
+def test_several_choices_on_the_direct_path(direct: tuple[Cluster, PrefixmeshConfig]) -> None:
+    cluster, _ = direct
+    body = {"model": MODEL, "prompt": "choose", "max_tokens": 3, "n": 2, "ignore_eos": True}
+    response = post(cluster, body)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [(c["index"], c["finish_reason"]) for c in choices] == [(0, "length"), (1, "length")]
+    assert response.json()["usage"]["completion_tokens"] == 6
 
 
 def test_gets_reach_the_replicas(direct: tuple[Cluster, PrefixmeshConfig]) -> None:

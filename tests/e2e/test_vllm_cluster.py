@@ -82,6 +82,31 @@ def test_chat_and_chat_stream(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_several_choices_as_vllm_serves_them(client: openai.OpenAI) -> None:
+    """``n`` = 3 with a seed: three choices, each of its own ``max_tokens``; the same seed
+    gives the same choices again (each child's seed is ``seed + index``, as vLLM's)."""
+    asked = {"model": MODEL, "prompt": "def mul(a, b):", "max_tokens": 6, "n": 3, "seed": 11}
+    first = client.completions.create(**asked, temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in first.choices)
+    assert first.usage is not None and first.usage.completion_tokens == 18
+    again = client.completions.create(**asked, temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in first.choices]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count."}],
+        max_tokens=4,
+        n=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    finishes: dict[int, str | None] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    assert finishes == {0: "length", 1: "length"}
+
+
 def test_repeated_prefix_is_cached_on_the_same_replica(cluster: Cluster) -> None:
     replicas, cached = [], []
     before = published_events(front="Ingress")
@@ -127,17 +152,17 @@ def test_router_keys_match_what_replicas_publish(cluster: Cluster) -> None:
     ("body", "status", "param"),
     [
         (b"{not json", 400, None),
-        (json.dumps({"prompt": "hi"}).encode(), 422, "model"),
-        (json.dumps({"model": MODEL, "prompt": 7}).encode(), 422, "prompt"),
+        (json.dumps({"prompt": "hi"}).encode(), 400, "model"),
+        (json.dumps({"model": MODEL, "prompt": 7}).encode(), 400, "prompt"),
         (
             json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}).encode(),
-            422,
+            400,
             "max_tokens",
         ),
-        (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 422, "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
         (json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404, "model"),
         (json.dumps({"model": MODEL, "prompt": "x " * 5000}).encode(), 400, "prompt"),
-        (json.dumps({"model": MODEL, "prompt": "hi", "n": 2}).encode(), 400, "n"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 1}).encode(), 400, "logprobs"),
     ],
 )
 def test_bad_input_gets_openai_errors(
@@ -159,8 +184,14 @@ def test_bad_input_gets_openai_errors(
 def test_bad_chat_input_through_the_openai_client(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.BadRequestError) as empty:  # 400, as OpenAI and vLLM (issue 38)
         client.chat.completions.create(model=MODEL, messages=[])
+    assert (empty.value.code, empty.value.param) == ("empty_array", "messages")
+    with pytest.raises(openai.BadRequestError) as unserved:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True
+        )
+    assert (unserved.value.code, unserved.value.param) == ("unsupported_parameter", "logprobs")
     with pytest.raises(openai.BadRequestError) as too_long:  # OpenAI's answer, as in issue 17
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "y " * 5000}]

@@ -131,10 +131,11 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:
             "at least 77 tokens (at least 61 in the prompt, 16 in the completion). Please "
             "reduce the length of the prompt or completion.",
             "type": "invalid_request_error",
-            "param": "prompt",
+            "param": "max_tokens",  # the prompt alone would fit: the completion's fault
             "code": "context_length_exceeded",
         }
     }
+    assert refused(LIMITS.admit, completion(prompt="x" * 260)).param == "prompt"  # 65 at least
     assert refused(LIMITS.admit, chat("x" * 128, "y" * 128)).param == "messages"  # 64 at least
     assert refused(LIMITS.admit, completion(prompt=list(range(60)), max_tokens=5)).status == 400
     # what may fit is left to the tokenizer

@@ -101,7 +101,7 @@ async def test_refusals_come_in_order_and_before_the_work_they_save() -> None:
     tokenizer, hasher = door.tokenizer, door.hasher
     assert isinstance(tokenizer, _Words) and isinstance(hasher, _Hasher)
     assert (await refusal(door, b"{")).status == 400  # not JSON
-    assert (await refusal(door, raw(prompt=3))).param == "prompt"  # 422
+    assert (await refusal(door, raw(prompt=3))).param == "prompt"  # 400
     error = await refusal(door, raw(model="other", prompt="a"))
     assert (error.status, error.code) == (404, "model_not_found")
     assert "this cluster serves 'm'" in error.message
@@ -143,7 +143,7 @@ class _Vocabulary:
         return 10
 
 
-async def test_a_token_id_out_of_the_vocabulary_is_422_on_every_server() -> None:
+async def test_a_token_id_out_of_the_vocabulary_is_400_on_every_server() -> None:
     """Every server's front door tokenizes through a ``PromptEncoder`` (the standalone server's
     ``PromptTokenizer`` is one), so a token-id prompt is checked the same everywhere."""
     door = FrontDoor(MODEL, front().limits, PromptEncoder(_Vocabulary()), _Hasher())
@@ -154,8 +154,8 @@ async def test_a_token_id_out_of_the_vocabulary_is_422_on_every_server() -> None
                 "message": "prompt token ids out of the vocabulary",
                 "type": "invalid_request_error",
                 "param": "prompt",
-                "code": None,
+                "code": "invalid_value",
             }
         }
-        assert error.status == 422
+        assert error.status == 400
     assert (await door.prepare(raw(prompt=[1, 9], max_tokens=1), False)).prompt_tokens == 2

@@ -88,10 +88,7 @@ def test_rescale_multiplies_arrival_times() -> None:
         rescale(requests, 0.0)
 
 
-def test_the_shipped_mooncake_trace_parses() -> None:
-    path = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
-    if not path.exists():
-        pytest.skip("shared trace not present")
-    requests = load_trace(path)
+def test_the_shipped_mooncake_trace_parses(mooncake_trace: Path) -> None:
+    requests = load_trace(mooncake_trace)
     assert len(requests) == 3993
     assert sum(r.prompt_tokens for r in requests) / len(requests) == pytest.approx(15325, abs=1)

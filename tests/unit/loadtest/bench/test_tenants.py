@@ -4,6 +4,8 @@ status, and the quota scenario sized at a tenth of what the heavy tenant asks fo
 
 from __future__ import annotations
 
+import pytest
+
 from prefixmesh.loadtest.bench.tenants import (
     Arrival,
     Outcome,
@@ -56,3 +58,10 @@ def test_the_quota_is_a_tenth_of_the_heavy_tenant_s_demand() -> None:
     ((label, _, extra),) = scenarios(args)
     assert (label, extra[-1]) == ("fair:2048", "replica.fair_share.prefill_budget_tokens=2048")
     assert Arrival(0.0, "light", (1,)).tenant == "light"
+
+
+def test_an_unknown_scenario_is_refused_when_the_arguments_are_read() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--scenarios", "alone,fairshare"], "t")
+    with pytest.raises(SystemExit):
+        parse_args(["--scenarios", "fifo:2048,nope:1"], "t")

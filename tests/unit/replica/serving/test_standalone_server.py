@@ -186,7 +186,7 @@ def test_errors_are_openai_json(client: TestClient) -> None:
     assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
     assert openai_error(client.get("/v1/nope"), 404)["message"] == "Invalid URL (GET /v1/nope)"
     assert openai_error(client.get("/v1/completions"), 405)["code"] == "method_not_allowed"
-    assert openai_error(client.post("/v1/completions", json={"model": MODEL}), 422)["param"] == (
+    assert openai_error(client.post("/v1/completions", json={"model": MODEL}), 400)["param"] == (
         "prompt"
     )
 
@@ -278,9 +278,9 @@ OUT_OF_VOCABULARY = {
     "message": "prompt token ids out of the vocabulary",
     "type": "invalid_request_error",
     "param": "prompt",
-    "code": None,
+    "code": "invalid_value",
 }
-"""What every server answers (422) for a token-id prompt the model's tokenizer cannot decode
+"""What every server answers (400) for a token-id prompt the model's tokenizer cannot decode
 (``api/prompts.py``)."""
 
 
@@ -294,6 +294,6 @@ def test_a_token_id_out_of_the_vocabulary_is_refused_as_the_other_servers_refuse
         body = {"model": MODEL, "prompt": ids, "max_tokens": 2}
         for stream in (False, True):
             response = client.post("/v1/completions", json={**body, "stream": stream})
-            assert openai_error(response, 422) == OUT_OF_VOCABULARY
+            assert openai_error(response, 400) == OUT_OF_VOCABULARY
     within = {"model": MODEL, "prompt": [1, size - 1], "max_tokens": 2}
     assert client.post("/v1/completions", json=within).status_code == 200

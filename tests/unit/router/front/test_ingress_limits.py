@@ -179,9 +179,9 @@ def test_unknown_paths_methods_and_fields_are_openai_json(proxy: Ingress) -> Non
     slash = proxy.client.get("/v1/models/", follow_redirects=False)  # no 307 to /v1/models
     assert openai_error(slash, 404)["message"] == "Invalid URL (GET /v1/models/)"
     assert openai_error(proxy.client.get("/v1/chat/completions"), 405)["param"] is None
-    assert openai_error(proxy.post({"model": MODEL, "prompt": 3}), 422)["param"] == "prompt"
+    assert openai_error(proxy.post({"model": MODEL, "prompt": 3}), 400)["param"] == "prompt"
     bad = {"model": MODEL, "messages": []}
-    assert openai_error(proxy.post(bad, "/v1/chat/completions"), 422)["param"] == "messages"
+    assert openai_error(proxy.post(bad, "/v1/chat/completions"), 400)["param"] == "messages"
     assert openai_error(proxy.post({"model": "gpt-4", "prompt": "hi"}), 404)["param"] == "model"
 
 
