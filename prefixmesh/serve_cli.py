@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import signal
 import sys
 import threading
+
+import psutil
 
 from prefixmesh.cli_help import command_parser
 from prefixmesh.config import PrefixmeshConfig, load_config
@@ -17,8 +18,9 @@ from prefixmesh.local_ray import (
     configure_environment,
     haproxy_enabled,
     init_local_ray,
-    stop_haproxy,
+    yield_to_other_sessions,
 )
+from prefixmesh.reaper import Reaper
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
@@ -63,6 +65,9 @@ def main(argv: list[str], prog: str = "serve") -> int:
     # Serve reads its HAProxy settings at import: set before Ray is imported, inherited by
     # everything it starts.
     haproxy_dir = configure_environment(None if config.ray.address else config.serving)
+    reaper = Reaper.start()  # killed, this process would leave HAProxy holding the port
+    if haproxy_dir is not None and not args.detach:
+        reaper.watch_haproxy(haproxy_dir)
 
     import ray
     from ray import serve
@@ -79,7 +84,11 @@ def main(argv: list[str], prog: str = "serve") -> int:
             )
         ray.init(address=config.ray.address, log_to_driver=False)
     else:
+        if config.ray.session_niceness:  # the whole session: Ray's processes are its children
+            yield_to_other_sessions(config.ray.session_niceness)
         init_local_ray(config.ray.temp_dir, config.ray.num_cpus, config.serving, config.metrics)
+        # Killed, this process takes Ray's raylet and GCS along, not the node's agents.
+        reaper.watch(p.pid for p in ray_processes(reaper.pid))
     try:
         serve.start(
             http_options={"host": config.ingress.host, "port": config.ingress.port},
@@ -97,13 +106,27 @@ def main(argv: list[str], prog: str = "serve") -> int:
         print(f"prefixmesh is serving {config.model!r} at {url}/v1 (Ctrl-C stops it)", flush=True)
         _wait_for_stop()
         print("shutting down ...", flush=True)
-        serve.shutdown()  # type: ignore[no-untyped-call]  # Ray Serve leaves it unannotated
+        # A local Ray goes away whole with ray.shutdown: Serve's own shutdown would only wait
+        # for its controller (30 s, then a warning); the engines' reapers stop the engines.
+        if config.ray.address:
+            serve.shutdown()  # type: ignore[no-untyped-call]  # Ray Serve leaves it unannotated
     finally:
+        started = ray_processes(reaper.pid)
         ray.shutdown()
-        if haproxy_dir is not None and not args.detach:
-            stop_haproxy(haproxy_dir)
-            shutil.rmtree(haproxy_dir, ignore_errors=True)
+        # Ray's workers notice the raylet is gone a moment later; until then its HAProxy
+        # manager may still write into HAProxy's folder.
+        psutil.wait_procs(started, timeout=STOP_WAIT_S)
+        reaper.close()  # HAProxy stopped and its folder removed
     return 0
+
+
+STOP_WAIT_S = 10.0
+"""How long a stop waits for Ray's processes to end before removing their files."""
+
+
+def ray_processes(reaper_pid: int) -> list[psutil.Process]:
+    """Everything this process started (Ray's processes and their workers), but the reaper."""
+    return [p for p in psutil.Process().children(recursive=True) if p.pid != reaper_pid]
 
 
 def registry_warning(config: PrefixmeshConfig) -> str | None:

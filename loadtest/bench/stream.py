@@ -59,6 +59,9 @@ class GapSummary:
     stalls: int
     """Gaps longer than the stall threshold."""
     streams_with_stall: int
+    decode_tokens_per_s: float = 0.0
+    """Completion tokens over the streams' whole time (``decode_rate``): the throughput a
+    client saw."""
 
 
 def summarize_gaps(results: Sequence[StreamResult], stall_s: float) -> GapSummary:
@@ -75,7 +78,16 @@ def summarize_gaps(results: Sequence[StreamResult], stall_s: float) -> GapSummar
         gap_max_s=gaps[-1] if gaps else 0.0,
         stalls=sum(g > stall_s for g in gaps),
         streams_with_stall=sum(any(g > stall_s for g in r.itl_s) for r in ok),
+        decode_tokens_per_s=decode_rate(ok),
     )
+
+
+def decode_rate(results: Sequence[StreamResult]) -> float:
+    """Completion tokens per second of the streams' whole time (one after another at
+    concurrency 1, a short TTFT included): bursts move tokens in time, not this."""
+    tokens = sum(r.completion_tokens for r in results)
+    seconds = sum(r.e2e_s for r in results)
+    return tokens / seconds if seconds > 0 else 0.0
 
 
 Buckets = dict[float, float]
@@ -359,7 +371,8 @@ def render(report: dict[str, object]) -> str:
         f"client gaps: p50 {_ms(client['gap_p50_s'])}, p99 {_ms(client['gap_p99_s'])}, max "
         f"{_ms(client['gap_max_s'])}; {client['stalls']} stalls in "
         f"{client['streams_with_stall']} streams; TTFT p50 {_ms(client['ttft_p50_s'])} (the "
-        f"replicas' own histogram: {_ms(server['ttft_p50_s'])})",
+        f"replicas' own histogram: {_ms(server['ttft_p50_s'])}); decode "
+        f"{client['decode_tokens_per_s']:.0f} tokens/s",
         f"engine token interval: p50 {_ms(server['engine_interval_p50_s'])}, p99 "
         f"{_ms(server['engine_interval_p99_s'])}, max > {_ms(server['engine_interval_max_s'])} "
         f"({server['engine_intervals']} intervals)",

@@ -23,6 +23,10 @@ class VllmConfig(Section):
     bind_cpu_cores: bool = True
     """On CPU, bind each replica's engine worker to core (rank mod cores): without it every
     engine binds to core 0 and two replicas share one core (docs/design.md §7)."""
+    engine_niceness: int = Field(default=10, ge=0, le=19)
+    """On CPU, the niceness of the engine's worker processes (0: as the replica's): above the
+    serving processes, so HTTP streams keep flowing while the engines decode on a machine with
+    few cores (``replica/engines/engine_priority.py``; docs/benchmarks.md has the trade)."""
     max_num_batched_tokens: int = Field(default=8192, gt=0)
     """Per-step token budget of vLLM's scheduler."""
     calibrate: bool = True

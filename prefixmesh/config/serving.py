@@ -93,3 +93,8 @@ class RayConfig(Section):
     """CPUs of a locally started Ray (None: all)."""
     temp_dir: str | None = None
     """Ray's temp/log folder for a local start (None: Ray's default)."""
+    session_niceness: int = Field(default=10, ge=0, le=19)
+    """A local start's niceness against the machine's other sessions (Linux's autogroup: the
+    scheduler shares the CPU between sessions before it looks at a process's own niceness):
+    with the engines decoding on every core, a client in another terminal still gets the CPU
+    at once (``local_ray.yield_to_other_sessions``). 0: leave it."""

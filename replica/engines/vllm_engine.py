@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from prefixmesh.cache_registry.hashing import BlockHasher
 from prefixmesh.cache_registry.types import BlockHash
 from prefixmesh.ports import free_port
+from prefixmesh.reaper import Reaper
 from prefixmesh.replica.engines.base import (
     CacheChangeSink,
     EngineChunk,
@@ -28,6 +29,7 @@ from prefixmesh.replica.engines.base import (
     TokenIntervals,
 )
 from prefixmesh.replica.engines.calibration import CALIBRATION_RUNS, CalibrationRun, fastest
+from prefixmesh.replica.engines.engine_priority import child_pids, lower_priority
 from prefixmesh.replica.events.kv_events import VllmEventStream, VllmEventTranslator
 from prefixmesh.replica.kvcache.waiting_channel import NoticeSender
 from prefixmesh.tasks import cancel_and_wait
@@ -51,6 +53,8 @@ class VllmEngineSettings:
     tensor_parallel_size: int
     cpu_core: int | None
     """On CPU, the core this replica's engine worker binds to (None: vLLM decides)."""
+    engine_niceness: int = 0
+    """The niceness the engine's worker processes run at (0: the replica's own)."""
     max_num_batched_tokens: int = 8192
     seed: int = 0
     prefill_tokens_per_s: float = 30_000.0
@@ -132,6 +136,8 @@ class VllmEngine:
         self._notices: NoticeSender | None = None
         """To the KV connector's lookahead: the requests the replica holds back."""
         self._notices_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._reaper: Reaper | None = None
+        """Stops the engine's processes once this one is gone, however it went."""
 
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -145,9 +151,22 @@ class VllmEngine:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(s.cpu_core)
         endpoint = self._listen_for_events()
         args = self._engine_args(endpoint, self._transfer_config())
+        before = child_pids()
         self._engine = AsyncLLM.from_engine_args(
             args, stat_loggers=[_stat_logger_factory(self._stats), *cluster_stat_loggers()]
         )
+        workers = child_pids() - before
+        # Killed, the replica would leave its engine processes decoding (issue 38).
+        self._reaper = Reaper.start()
+        self._reaper.watch(workers)
+        if s.engine_niceness > 0:
+            threads = lower_priority(workers, s.engine_niceness)
+            logger.info(
+                "engine workers %s at niceness %d (%d threads)",
+                sorted(workers),
+                s.engine_niceness,
+                threads,
+            )
         self.kv_blocks = int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
         if s.shared_folder is not None and not self._shared_read_bytes_per_s:
             await self._measure_shared_folder(s.shared_folder)
@@ -400,3 +419,7 @@ class VllmEngine:
             self._notices.close()
         if self._notices_dir is not None:
             self._notices_dir.cleanup()
+        if self._reaper is not None:
+            # It stops whatever of the engine still runs, and is waited for.
+            await asyncio.to_thread(self._reaper.close)
+            self._reaper = None

@@ -126,6 +126,7 @@ def make_engine(
             enforce_eager=vllm.enforce_eager,
             tensor_parallel_size=vllm.tensor_parallel_size,
             cpu_core=rank % cores if vllm.bind_cpu_cores and _no_gpu() else None,
+            engine_niceness=vllm.engine_niceness if _no_gpu() else 0,
             max_num_batched_tokens=vllm.max_num_batched_tokens,
             prefill_tokens_per_s=vllm.prefill_tokens_per_s,
             decode_step_s=vllm.decode_step_s,

@@ -1,10 +1,21 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from itertools import count
 from pathlib import Path
 
+import pytest
+
 from prefixmesh.config import load_config
-from prefixmesh.local_ray import haproxy_environment, router_pool
+from prefixmesh.local_ray import (
+    AUTOGROUP,
+    haproxy_environment,
+    haproxy_wrapper,
+    router_pool,
+    yield_to_other_sessions,
+)
 
 
 def test_haproxy_settings_keep_files_ports_and_limits_ours(tmp_path: Path) -> None:
@@ -58,3 +69,59 @@ def test_router_pool_reads_the_lua_script_the_config_loads() -> None:
 def test_no_lua_script_loaded_is_no_router() -> None:
     # Ray leaves the script (not the file) out while no router runs: the stale file is not read.
     assert router_pool("global\n    maxconn 4096\n", lambda path: _lua_of([30001])) == []
+
+
+def test_a_local_cluster_yields_its_session_group(tmp_path: Path) -> None:
+    group = tmp_path / "autogroup"
+    group.write_text("/autogroup-13 nice 0\n")
+    assert yield_to_other_sessions(10, group) == 0
+    assert group.read_text() == "10"
+    group.write_text("/autogroup-13 nice 15\n")
+    assert yield_to_other_sessions(10, group) == 15  # never lowered
+    assert group.read_text() == "/autogroup-13 nice 15\n"
+    assert yield_to_other_sessions(10, tmp_path / "absent") is None
+
+
+CHILD = """
+from prefixmesh.local_ray import AUTOGROUP, yield_to_other_sessions
+print(yield_to_other_sessions(7), AUTOGROUP.read_text().split()[-1])
+"""
+
+
+def test_the_kernel_s_session_group_takes_the_niceness() -> None:
+    """In a session of its own (as a terminal's), so this test's own group is left alone."""
+    if not AUTOGROUP.exists():
+        pytest.skip("this kernel has no autogroups")
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, start_new_session=True
+    )
+    assert done.returncode == 0, done.stderr
+    before, after = done.stdout.split()
+    if before == "None":
+        pytest.skip("this machine does not let a session change its group's niceness")
+    assert int(before) <= 7 and after == "7"
+
+
+TEMPLATE_BINDS = ("bind :{{ config.metrics_port }}", "bind *:{{ config.stats_port }}")
+"""What the wrapper rewrites, as Ray 2.60's HAProxy template writes it."""
+
+
+def test_the_haproxy_wrapper_moves_stats_and_metrics_to_loopback_only(tmp_path: Path) -> None:
+    from ray.serve._private.haproxy_templates import HAPROXY_CONFIG_TEMPLATE
+
+    assert all(bind in HAPROXY_CONFIG_TEMPLATE for bind in TEMPLATE_BINDS)  # Ray's, still
+    wrapper = haproxy_wrapper(tmp_path, 9404, 9101)
+    assert wrapper is not None and os.access(wrapper, os.X_OK)
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(
+        "frontend prometheus\n    bind :9101\n"
+        "frontend http_frontend\n    bind *:8000\n"
+        "listen stats\n  bind *:9404\n  bind *:94040\n"
+    )
+    done = subprocess.run([str(wrapper), "-db", "-f", str(config), "-v"], capture_output=True)
+    assert done.returncode == 0 and b"HAProxy version" in done.stdout  # the real binary ran
+    assert config.read_text() == (
+        "frontend prometheus\n    bind 127.0.0.1:9101\n"
+        "frontend http_frontend\n    bind *:8000\n"  # the front door keeps its configured host
+        "listen stats\n  bind 127.0.0.1:9404\n  bind *:94040\n"
+    )

@@ -119,3 +119,17 @@ def test_loop_lags_are_told_apart_by_cause() -> None:
     server = server_side(LAGS.format(r=0, rt=0, o=0, ot=0), LAGS.format(r=10, rt=12, o=5, ot=8))
     assert server.loop_lag_running_over_50ms == 2
     assert server.loop_lag_off_cpu_over_50ms == 3
+
+
+def test_decode_rate_is_tokens_over_the_streams_whole_time() -> None:
+    """A burst moves tokens in time: the rate counts the streams' whole time, not the span
+    between first and last event, which a late first event would shorten."""
+    one = StreamResult(
+        status=200, ttft_s=0.5, e2e_s=2.0, event_times_s=[1.9, 2.0], completion_tokens=10
+    )
+    two = StreamResult(
+        status=200, ttft_s=0.2, e2e_s=1.0, event_times_s=[0.2, 1.0], completion_tokens=5
+    )
+    summary = summarize_gaps([one, two], stall_s=1.0)
+    assert summary.decode_tokens_per_s == pytest.approx(15 / 3.0)
+    assert summarize_gaps([], stall_s=1.0).decode_tokens_per_s == 0.0

@@ -1,0 +1,92 @@
+"""The reaper stops what its owner asked once the owner is gone: at a normal close, and after
+the owner was killed with SIGKILL (the case it exists for); a PID reused by another process is
+never hit; folders are removed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from prefixmesh.reaper import Orders, Reaper, Watched, stop_processes, watched
+
+
+def gone(pid: int, within_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def sleeper(ignore_term: bool = False) -> subprocess.Popen[bytes]:
+    code = "import signal, time\n"
+    if ignore_term:
+        code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    code += "print('up', flush=True)\ntime.sleep(120)\n"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdout.readline() == b"up\n"
+    return child
+
+
+def test_orders_are_read_line_by_line(tmp_path: Path) -> None:
+    orders = Orders()
+    for line in ["pid 12 3.5\n", f"haproxy {tmp_path}\n", "folder /tmp/x\n", "junk\n", "pid x\n"]:
+        orders.read(line)
+    assert orders.processes == [Watched(12, 3.5)]
+    assert orders.haproxy_dirs == [tmp_path] and orders.folders == [Path("/tmp/x")]
+
+
+def test_a_process_that_ignores_sigterm_is_killed_and_a_reused_pid_spared() -> None:
+    stubborn = sleeper(ignore_term=True)
+    other = sleeper()
+    try:
+        stale = Watched(other.pid, psutil.Process(other.pid).create_time() - 100.0)
+        assert stop_processes([*watched([stubborn.pid]), stale], grace_s=0.5) == [stubborn.pid]
+        assert gone(stubborn.pid)  # psutil reaped it here, its parent: no exit status to read
+        assert other.poll() is None  # its PID was named, but with another start time
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_normal_close_carries_the_orders_out(tmp_path: Path) -> None:
+    child = sleeper()
+    folder = tmp_path / "run"
+    folder.mkdir()
+    reaper = Reaper.start()
+    reaper.watch([child.pid])
+    reaper.remove(folder)
+    reaper.close()
+    assert child.wait(10) == -signal.SIGTERM
+    assert not folder.exists()
+
+
+OWNER = """
+import subprocess, sys, time
+from prefixmesh.reaper import Reaper
+reaper = Reaper.start()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+reaper.watch([child.pid])
+print(child.pid, reaper.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_owner_leaves_nothing_running() -> None:
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    child_pid, reaper_pid = map(int, owner.stdout.readline().split())
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait(10)
+    assert gone(child_pid), "the owner's child outlived it"
+    assert gone(reaper_pid), "the reaper did not end after its work"
