@@ -9,6 +9,7 @@ import asyncio
 import signal
 import sys
 import threading
+from typing import Any
 
 import psutil
 
@@ -74,21 +75,7 @@ def main(argv: list[str], prog: str = "serve") -> int:
 
     from prefixmesh.app import build_app
 
-    if config.ray.address:
-        if config.serving.path == "direct" and not haproxy_enabled():
-            print(
-                f"{prog}: serving.path=direct needs Ray Serve's HAProxy mode on that cluster "
-                "(RAY_SERVE_ENABLE_HA_PROXY=1 and the settings of prefixmesh.local_ray."
-                "haproxy_environment in its nodes' environment)",
-                file=sys.stderr,
-            )
-        ray.init(address=config.ray.address, log_to_driver=False)
-    else:
-        if config.ray.session_niceness:  # the whole session: Ray's processes are its children
-            yield_to_other_sessions(config.ray.session_niceness)
-        init_local_ray(config.ray.temp_dir, config.ray.num_cpus, config.serving, config.metrics)
-        # Killed, this process takes Ray's raylet and GCS along, not the node's agents.
-        reaper.watch(p.pid for p in ray_processes(reaper.pid))
+    metrics_url = start_ray(config, prog, reaper)
     try:
         serve.start(
             http_options={"host": config.ingress.host, "port": config.ingress.port},
@@ -104,6 +91,12 @@ def main(argv: list[str], prog: str = "serve") -> int:
             print(f"prefixmesh is serving {config.model!r} at {url}/v1", flush=True)
             return 0
         print(f"prefixmesh is serving {config.model!r} at {url}/v1 (Ctrl-C stops it)", flush=True)
+        if metrics_url:
+            print(
+                f"metrics of every replica and router, labelled: {metrics_url} (Prometheus: "
+                "manifests/prometheus/prometheus.yml)",
+                flush=True,
+            )
         _wait_for_stop()
         print("shutting down ...", flush=True)
         # A local Ray goes away whole with ray.shutdown: Serve's own shutdown would only wait
@@ -120,6 +113,32 @@ def main(argv: list[str], prog: str = "serve") -> int:
     return 0
 
 
+def start_ray(config: PrefixmeshConfig, prog: str, reaper: Reaper) -> str | None:
+    """Join ``ray.address``, or start a local Ray (its session yielding the CPU to the
+    machine's other sessions, its processes in ``reaper``'s care); where a scraper finds the
+    local cluster's metrics (None for a joined cluster: its operator knows)."""
+    import ray
+
+    if config.ray.address:
+        if config.serving.path == "direct" and not haproxy_enabled():
+            print(
+                f"{prog}: serving.path=direct needs Ray Serve's HAProxy mode on that cluster "
+                "(RAY_SERVE_ENABLE_HA_PROXY=1 and the settings of prefixmesh.local_ray."
+                "haproxy_environment in its nodes' environment)",
+                file=sys.stderr,
+            )
+        ray.init(address=config.ray.address, log_to_driver=False)
+        return None
+    if config.ray.session_niceness:  # the whole session: Ray's processes are its children
+        yield_to_other_sessions(config.ray.session_niceness)
+    context = init_local_ray(
+        config.ray.temp_dir, config.ray.num_cpus, config.serving, config.metrics
+    )
+    # Killed, this process takes Ray's raylet and GCS along, not the node's agents.
+    reaper.watch(p.pid for p in ray_processes(reaper.pid))
+    return scrape_url(context.address_info)
+
+
 STOP_WAIT_S = 10.0
 """How long a stop waits for Ray's processes to end before removing their files."""
 
@@ -127,6 +146,13 @@ STOP_WAIT_S = 10.0
 def ray_processes(reaper_pid: int) -> list[psutil.Process]:
     """Everything this process started (Ray's processes and their workers), but the reaper."""
     return [p for p in psutil.Process().children(recursive=True) if p.pid != reaper_pid]
+
+
+def scrape_url(address_info: dict[str, Any]) -> str | None:
+    """Ray's metrics agent on this node, where a scraper finds the whole cluster's series
+    (the front door's ``/metrics`` is one replica's)."""
+    port = address_info.get("metrics_export_port")
+    return f"http://127.0.0.1:{port}/metrics" if port else None
 
 
 def registry_warning(config: PrefixmeshConfig) -> str | None:

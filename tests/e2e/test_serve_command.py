@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ class Served:
     process: subprocess.Popen[str]
     port: int
     temp_dir: Path
+    metrics_url: str = ""
+    """Where ``serve`` said the cluster's metrics are."""
 
     def session(self) -> list[psutil.Process]:
         """Every process of the run's session (``serve`` is its leader), HAProxy included."""
@@ -80,13 +83,18 @@ def start(tmp: Path) -> Served:
     served = Served(process, port, temp_dir)
     stdout = process.stdout
     assert stdout is not None
+    lines: queue.Queue[str] = queue.Queue()  # read in a thread: a wait here has a deadline
+    threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
     deadline = time.monotonic() + READY_TIMEOUT_S
     ready = False
     while not ready and process.poll() is None and time.monotonic() < deadline:
-        if select.select([stdout], [], [], 1.0)[0]:
+        with contextlib.suppress(queue.Empty):
             # "prefixmesh is serving ... (Ctrl-C stops it)" once it is ready
-            ready = "is serving" in stdout.readline()
+            ready = "is serving" in lines.get(timeout=1.0)
     assert ready, (tmp / "serve.log").read_text()[-3000:]
+    with contextlib.suppress(queue.Empty):  # "metrics of every replica ...: URL (...)"
+        words = lines.get(timeout=10.0).split()
+        served.metrics_url = next((w for w in words if w.startswith("http://")), "")
     return served
 
 
@@ -135,6 +143,8 @@ def test_serve_answers_listens_on_loopback_and_stops_clean(served: Served) -> No
         timeout=60,
     )
     assert response.status_code == 200, response.text
+    assert served.metrics_url.startswith("http://127.0.0.1:")
+    assert httpx.get(served.metrics_url, timeout=30).status_code == 200  # Ray's metrics agent
     outside: list[str] = []
     for process in served.session():
         with contextlib.suppress(psutil.Error):

@@ -19,6 +19,7 @@ from prefixmesh.router.core.metrics import ROUTER_METRICS
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "manifests" / "grafana" / "prefixmesh.json"
+RULES = ROOT / "manifests" / "prometheus" / "rules.yml"
 OURS: tuple[MetricSpec, ...] = (
     *ROUTER_METRICS,
     *REQUEST_METRICS,
@@ -55,14 +56,37 @@ def names_and_labels(query: str) -> tuple[set[str], set[str]]:
     return names, labels
 
 
-def test_the_dashboard_reads_only_metrics_and_labels_we_export() -> None:
+def recording_rules() -> dict[str, str]:
+    """Each recorded series of rules.yml and its expression."""
+    import yaml
+
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return {rule["record"]: rule["expr"] for group in groups for rule in group["rules"]}
+
+
+def test_the_dashboard_reads_only_metrics_and_labels_we_export_or_record() -> None:
     found = queries()
     assert len(found) >= 15
+    recorded = set(recording_rules())
     for query in found:
         names, labels = names_and_labels(query)
         assert names, f"no metric in {query!r}"
-        assert names <= EXPORTED, (names - EXPORTED, query)
+        assert names <= EXPORTED | recorded, (names - EXPORTED - recorded, query)
         assert labels <= LABELS, (labels - LABELS, query)
+    assert any("prompt_cache_hit_ratio" in query for query in found)  # the hit rate, recorded
+
+
+def test_the_recording_rules_read_what_we_export_and_prometheus_loads_them() -> None:
+    import yaml
+
+    rules = recording_rules()
+    assert "prefixmesh:prompt_cache_hit_ratio:rate1m" in rules
+    for record, expr in rules.items():
+        names, labels = names_and_labels(expr)
+        assert names and names <= EXPORTED, (record, names - EXPORTED)
+        assert labels <= LABELS, (record, labels - LABELS)
+    config = yaml.safe_load((ROOT / "manifests" / "prometheus" / "prometheus.yml").read_text())
+    assert config["rule_files"] == [RULES.name]
 
 
 def test_the_query_parser_sees_names_labels_and_typos() -> None:
