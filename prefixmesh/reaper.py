@@ -13,6 +13,7 @@ is the reaper's side; ``Reaper`` the owner's.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from typing import IO
 
 import psutil
 
+TMP = Path("/tmp")
 GRACE_S = 5.0
 """How long a process gets to stop on SIGTERM before SIGKILL."""
 
@@ -48,10 +50,11 @@ class Orders:
     processes: list[Watched] = field(default_factory=list)
     haproxy_dirs: list[Path] = field(default_factory=list)
     folders: list[Path] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
 
     def read(self, line: str) -> None:
-        """One line of the owner's: ``pid PID START``, ``haproxy DIR`` or ``folder DIR``;
-        anything else is ignored."""
+        """One line of the owner's: ``pid PID START``, ``haproxy DIR``, ``folder DIR`` or
+        ``file PATH``; anything else is ignored."""
         kind, _, rest = line.strip().partition(" ")
         if kind == "pid":
             pid, _, started = rest.partition(" ")
@@ -61,6 +64,8 @@ class Orders:
             self.haproxy_dirs.append(Path(rest))
         elif kind == "folder" and rest:
             self.folders.append(Path(rest))
+        elif kind == "file" and rest:
+            self.files.append(Path(rest))
 
 
 def watched(pids: Iterable[int]) -> list[Watched]:
@@ -70,6 +75,42 @@ def watched(pids: Iterable[int]) -> list[Watched]:
         with contextlib.suppress(psutil.Error):
             found.append(Watched(pid, psutil.Process(pid).create_time()))
     return found
+
+
+SHARED_MEMORY_PREFIXES = ("psm_", "sem.mp-")
+"""Python's multiprocessing names in /dev/shm (``shared_memory``, ``SemLock``): what vLLM's
+message queues and locks are. Ray's object store maps /dev/shm too, and is never touched."""
+
+
+def left_behind(
+    pid: int, proc: Path = Path("/proc"), prefixes: tuple[str, ...] = SHARED_MEMORY_PREFIXES
+) -> list[Path]:
+    """What a process would leave behind if killed: the shared-memory files of ``prefixes``
+    it maps (``/dev/shm``: vLLM's message queues between its engine and worker processes, and
+    multiprocessing's semaphores) and the Unix sockets it bound directly in /tmp (ZMQ's
+    ``ipc://`` endpoints; Ray's are in its session folder). Empty where /proc is not
+    readable."""
+    found: set[Path] = set()
+    try:
+        for line in (proc / str(pid) / "maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)  # address perms offset dev inode [path]
+            path = parts[5] if len(parts) == 6 else ""
+            name = path.removeprefix("/dev/shm/")
+            if name != path and name.startswith(prefixes) and not name.endswith("(deleted)"):
+                found.add(Path(path))
+        inodes = set()
+        for fd in (proc / str(pid) / "fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        for line in (proc / "net" / "unix").read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 8 and fields[6] in inodes and Path(fields[7]).parent == TMP:
+                found.add(Path(fields[7]))
+    except OSError:
+        return []
+    return sorted(found)
 
 
 def alive(processes: Sequence[Watched]) -> list[psutil.Process]:
@@ -122,6 +163,9 @@ def carry_out(orders: Orders) -> None:
     from prefixmesh.local_ray import stop_haproxy
 
     stop_processes(orders.processes)
+    for path in orders.files:  # only once their processes are gone
+        with contextlib.suppress(OSError):
+            path.unlink()
     for run_dir in orders.haproxy_dirs:
         stop_haproxy(run_dir)
     for folder in [*orders.haproxy_dirs, *orders.folders]:
@@ -170,9 +214,16 @@ class Reaper:
             stdin.writelines(lines)
             stdin.flush()
 
-    def watch(self, pids: Iterable[int]) -> None:
-        """Stop these processes when the owner ends."""
-        self._send(item.line() for item in watched(pids))
+    def watch(self, pids: Iterable[int], with_files: bool = False) -> None:
+        """Stop these processes when the owner ends; ``with_files``: and remove what they and
+        the owner would leave behind (``left_behind``, as they are now)."""
+        items = watched(pids)
+        lines = [item.line() for item in items]
+        if with_files:
+            owners = [os.getpid(), *(item.pid for item in items)]
+            paths = {path for pid in owners for path in left_behind(pid)}
+            lines += [f"file {path}\n" for path in sorted(paths)]
+        self._send(lines)
 
     def watch_haproxy(self, run_dir: Path) -> None:
         """Stop the HAProxy whose files are under ``run_dir``, and remove it, at the end."""

@@ -15,6 +15,7 @@ import psutil
 
 from prefixmesh.cli_help import command_parser
 from prefixmesh.config import PrefixmeshConfig, load_config
+from prefixmesh.deploy_progress import run_with_progress
 from prefixmesh.local_ray import (
     configure_environment,
     haproxy_enabled,
@@ -85,7 +86,17 @@ def main(argv: list[str], prog: str = "serve") -> int:
             f"deploying {config.replica.num_replicas} {config.replica.engine} replicas ...",
             flush=True,
         )
-        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        app = build_app(config)
+        name = config.app_name
+
+        def deployments() -> Any:
+            return serve.status().applications[name].deployments
+
+        run_with_progress(
+            lambda: serve.run(app, name=name, route_prefix="/"),
+            deployments,
+            lambda line: print(line, flush=True),
+        )
         url = f"http://{config.ingress.host}:{config.ingress.port}"
         if args.detach:  # the app stays on the cluster; `serve shutdown` removes it
             print(f"prefixmesh is serving {config.model!r} at {url}/v1", flush=True)

@@ -158,7 +158,7 @@ class VllmEngine:
         workers = child_pids() - before
         # Killed, the replica would leave its engine processes decoding (issue 38).
         self._reaper = Reaper.start()
-        self._reaper.watch(workers)
+        self._reaper.watch(workers, with_files=True)
         if s.engine_niceness > 0:
             threads = lower_priority(workers, s.engine_niceness)
             logger.info(

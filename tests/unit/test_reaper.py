@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from prefixmesh.reaper import Orders, Reaper, Watched, stop_processes, watched
+from prefixmesh.reaper import Orders, Reaper, Watched, left_behind, stop_processes, watched
 
 
 def gone(pid: int, within_s: float = 20.0) -> bool:
@@ -90,3 +90,43 @@ def test_a_killed_owner_leaves_nothing_running() -> None:
     owner.wait(10)
     assert gone(child_pid), "the owner's child outlived it"
     assert gone(reaper_pid), "the reaper did not end after its work"
+
+
+HOLDER = """
+import mmap, os, socket, sys, time
+# A segment no resource tracker knows of (as vLLM's worker side maps its queue's).
+name = f"psm_pmt{os.getpid()}"
+fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+mapped = mmap.mmap(fd, 4096)
+os.close(fd)
+server = socket.socket(socket.AF_UNIX)
+server.bind(sys.argv[1])
+server.listen()
+print(name, flush=True)
+time.sleep(120)
+"""
+
+
+def test_what_a_killed_process_would_leave_is_found_and_removed(tmp_path: Path) -> None:
+    """vLLM's engine leaves its message queues in /dev/shm and ZMQ sockets in /tmp."""
+    address = Path(f"/tmp/pmt-{os.urandom(6).hex()}")  # as ZMQ's ipc:// names: in /tmp
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(address)], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout is not None
+    segment = Path("/dev/shm") / holder.stdout.readline().strip()
+    try:
+        found = left_behind(holder.pid)
+        assert segment in found and address in found
+        reaper = Reaper.start()
+        reaper.watch([holder.pid], with_files=True)
+        reaper.close()  # SIGTERM: the holder dies without unlinking either
+        assert gone(holder.pid)
+        assert not segment.exists() and not address.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+        segment.unlink(missing_ok=True)
+        address.unlink(missing_ok=True)
+    assert left_behind(holder.pid) == []  # gone: nothing to read
