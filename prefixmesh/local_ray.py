@@ -200,11 +200,12 @@ autogroups (``sched_autogroup_enabled``)."""
 
 
 def yield_to_other_sessions(niceness: int, autogroup: Path = AUTOGROUP) -> int | None:
-    """Raise the niceness of this process's session group to ``niceness`` (never lower it:
-    that needs privilege): Linux shares the CPU between sessions first, so a local cluster
-    whose engines keep every core busy would otherwise starve a client started from another
-    terminal for a second at a time (issue 38). Returns the niceness before, or None where
-    there are no autogroups or the group cannot be changed."""
+    """Raise the niceness of this process's session group to ``niceness`` (a higher one is
+    kept): Linux shares the CPU between sessions first, so a local cluster whose engines keep
+    every core busy would otherwise starve a client started from another terminal for a
+    second at a time (issue 38). The group is the whole session's (the terminal's): give the
+    value returned, the niceness before, to ``restore_session`` at the end. None where there
+    are no autogroups or the group cannot be changed."""
     try:
         before = int(autogroup.read_text().split()[-1])
         if before < niceness:
@@ -212,6 +213,13 @@ def yield_to_other_sessions(niceness: int, autogroup: Path = AUTOGROUP) -> int |
     except (OSError, ValueError, IndexError):
         return None
     return before
+
+
+def restore_session(niceness: int | None, autogroup: Path = AUTOGROUP) -> None:
+    """Put the session group's niceness back (what ``yield_to_other_sessions`` returned)."""
+    if niceness is not None:
+        with contextlib.suppress(OSError):
+            autogroup.write_text(str(niceness))
 
 
 def init_local_ray(

@@ -16,6 +16,7 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from typing import IO
 import psutil
 
 TMP = Path("/tmp")
+SHARED_MEMORY = Path("/dev/shm")
 GRACE_S = 5.0
 """How long a process gets to stop on SIGTERM before SIGKILL."""
 
@@ -105,7 +107,7 @@ def left_behind(
                 if target.startswith("socket:["):
                     inodes.add(target[8:-1])
         for line in (proc / "net" / "unix").read_text().splitlines()[1:]:
-            fields = line.split()
+            fields = line.split(maxsplit=7)  # the path last, as it is (spaces included)
             if len(fields) >= 8 and fields[6] in inodes and Path(fields[7]).parent == TMP:
                 found.add(Path(fields[7]))
     except OSError:
@@ -158,14 +160,26 @@ def _wait_gone(processes: Sequence[psutil.Process], timeout_s: float) -> list[ps
     return left
 
 
+def removable(path: Path) -> bool:
+    """Whether ``path`` is what ``left_behind`` names: a shared-memory file of Python's
+    multiprocessing names, or a socket directly in /tmp (a plain file there never is)."""
+    if path.parent == SHARED_MEMORY:
+        return path.name.startswith(SHARED_MEMORY_PREFIXES)
+    try:
+        return path.parent == TMP and stat.S_ISSOCK(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
 def carry_out(orders: Orders) -> None:
     """Stop and remove everything ``orders`` names."""
     from prefixmesh.local_ray import stop_haproxy
 
     stop_processes(orders.processes)
     for path in orders.files:  # only once their processes are gone
-        with contextlib.suppress(OSError):
-            path.unlink()
+        if removable(path):
+            with contextlib.suppress(OSError):
+                path.unlink()
     for run_dir in orders.haproxy_dirs:
         stop_haproxy(run_dir)
     for folder in [*orders.haproxy_dirs, *orders.folders]:
@@ -214,13 +228,16 @@ class Reaper:
             stdin.writelines(lines)
             stdin.flush()
 
-    def watch(self, pids: Iterable[int], with_files: bool = False) -> None:
-        """Stop these processes when the owner ends; ``with_files``: and remove what they and
-        the owner would leave behind (``left_behind``, as they are now)."""
+    def watch(
+        self, pids: Iterable[int], with_files: bool = False, owner_files: bool = True
+    ) -> None:
+        """Stop these processes when the owner ends; ``with_files``: and remove what they
+        would leave behind (``left_behind``, as they are now), and the owner too unless
+        ``owner_files`` is False."""
         items = watched(pids)
         lines = [item.line() for item in items]
         if with_files:
-            owners = [os.getpid(), *(item.pid for item in items)]
+            owners = [*([os.getpid()] if owner_files else []), *(item.pid for item in items)]
             paths = {path for pid in owners for path in left_behind(pid)}
             lines += [f"file {path}\n" for path in sorted(paths)]
         self._send(lines)

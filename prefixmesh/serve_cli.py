@@ -20,6 +20,7 @@ from prefixmesh.local_ray import (
     configure_environment,
     haproxy_enabled,
     init_local_ray,
+    restore_session,
     yield_to_other_sessions,
 )
 from prefixmesh.reaper import Reaper
@@ -71,13 +72,16 @@ def main(argv: list[str], prog: str = "serve") -> int:
     if haproxy_dir is not None and not args.detach:
         reaper.watch_haproxy(haproxy_dir)
 
-    import ray
     from ray import serve
 
     from prefixmesh.app import build_app
 
-    metrics_url = start_ray(config, prog, reaper)
+    niceness_before = None
+    if not config.ray.address and config.ray.session_niceness:
+        # The whole session: Ray's processes are its children (put back at the end).
+        niceness_before = yield_to_other_sessions(config.ray.session_niceness)
     try:
+        metrics_url = start_ray(config, prog, reaper)
         serve.start(
             http_options={"host": config.ingress.host, "port": config.ingress.port},
             proxy_location=config.serving.proxy_location,
@@ -90,7 +94,8 @@ def main(argv: list[str], prog: str = "serve") -> int:
         name = config.app_name
 
         def deployments() -> Any:
-            return serve.status().applications[name].deployments
+            application = serve.status().applications.get(name)
+            return application.deployments if application is not None else {}
 
         run_with_progress(
             lambda: serve.run(app, name=name, route_prefix="/"),
@@ -112,22 +117,31 @@ def main(argv: list[str], prog: str = "serve") -> int:
         print("shutting down ...", flush=True)
         # A local Ray goes away whole with ray.shutdown: Serve's own shutdown would only wait
         # for its controller (30 s, then a warning); the engines' reapers stop the engines.
-        if config.ray.address:
+        # Its replicas' goodbyes to a Redis registry (dropping their entries) need it.
+        if config.ray.address or config.registry.backend != "memory":
             serve.shutdown()  # type: ignore[no-untyped-call]  # Ray Serve leaves it unannotated
     finally:
-        started = ray_processes(reaper.pid)
-        ray.shutdown()
-        # Ray's workers notice the raylet is gone a moment later; until then its HAProxy
-        # manager may still write into HAProxy's folder.
-        psutil.wait_procs(started, timeout=STOP_WAIT_S)
-        reaper.close()  # HAProxy stopped and its folder removed
+        stop_ray(reaper)
+        restore_session(niceness_before)
     return 0
 
 
+def stop_ray(reaper: Reaper) -> None:
+    """Shut Ray down, wait for its processes (its workers notice the raylet is gone a moment
+    later; until then its HAProxy manager may still write into HAProxy's folder), then let
+    the reaper stop HAProxy and remove its folder."""
+    import ray
+
+    started = ray_processes(reaper.pid)
+    ray.shutdown()
+    psutil.wait_procs(started, timeout=STOP_WAIT_S)
+    reaper.close()
+
+
 def start_ray(config: PrefixmeshConfig, prog: str, reaper: Reaper) -> str | None:
-    """Join ``ray.address``, or start a local Ray (its session yielding the CPU to the
-    machine's other sessions, its processes in ``reaper``'s care); where a scraper finds the
-    local cluster's metrics (None for a joined cluster: its operator knows)."""
+    """Join ``ray.address``, or start a local Ray (its processes in ``reaper``'s care); where a
+    scraper finds the local cluster's metrics (None for a joined cluster: its operator
+    knows)."""
     import ray
 
     if config.ray.address:
@@ -140,8 +154,6 @@ def start_ray(config: PrefixmeshConfig, prog: str, reaper: Reaper) -> str | None
             )
         ray.init(address=config.ray.address, log_to_driver=False)
         return None
-    if config.ray.session_niceness:  # the whole session: Ray's processes are its children
-        yield_to_other_sessions(config.ray.session_niceness)
     context = init_local_ray(
         config.ray.temp_dir, config.ray.num_cpus, config.serving, config.metrics
     )

@@ -166,10 +166,11 @@ def _bound_error(kind: str, param: str, error: Mapping[str, Any]) -> tuple[str, 
     """The message and code of a number outside its bounds (pydantic's ``greater_than...``)."""
     ctx = error.get("ctx") or {}
     value = error.get("input")
-    number = "integer" if isinstance(value, int) and not isinstance(value, bool) else "decimal"
+    bound = next(iter(ctx.values()), "?")
+    # The field's kind, as its bound gives it (``temperature: 3`` is a decimal above 2.0).
+    number = "decimal" if isinstance(bound, float) else "integer"
     below = kind.startswith("greater")
     sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<="}.get(kind, "<")
-    bound = next(iter(ctx.values()), "?")
     side = "below minimum" if below else "above maximum"
     message = (
         f"Invalid '{param}': {number} {side} value. Expected a value {sign} {bound}, but got "

@@ -73,6 +73,13 @@ class _Choice:
         self._sent = ready
         return delta
 
+    def rest(self, index: int) -> TextDelta:
+        """The end of a choice whose stream stopped without finishing: the text held back
+        (and the detokenizer's last partial character), as a stop."""
+        self.detokenizer.flush()
+        self.ended = True
+        return TextDelta(self.detokenizer.text[self._sent :], "stop", index)
+
     def _find_stop(self, text: str) -> int | None:
         # Only the part not yet searched can hold a new match (a stop string's length back).
         start = max(0, self._sent - max((len(s) for s in self.stop), default=0))
@@ -166,8 +173,11 @@ class Generation:
         try:
             chunk = self._pending
             while chunk is not None:
-                self.usage.completion_tokens += len(chunk.token_ids)
                 choice = self._choices[chunk.index]
+                # A choice past its stop string may run on until the others end (its engine
+                # request is aborted with the stream): its tokens after the stop are not billed.
+                if not choice.ended:
+                    self.usage.completion_tokens += len(chunk.token_ids)
                 delta = None if choice.ended else choice.add(chunk)
                 if delta is not None:
                     yield delta
@@ -178,8 +188,8 @@ class Generation:
                 except StopAsyncIteration:
                     chunk = None
             for index, choice in enumerate(self._choices):
-                if not choice.ended:
-                    yield TextDelta("", "stop", index)
+                if not choice.ended:  # the stream ended without a finish: what it held back
+                    yield choice.rest(index)
         finally:
             self.close()
 

@@ -17,12 +17,16 @@ from collections.abc import AsyncIterator, Callable
 from prefixmesh.replica.engines.base import EngineChunk, EngineRequest
 
 Generate = Callable[[EngineRequest], AsyncIterator[EngineChunk]]
+SEED_LIMIT = 2**64
+"""The front door's bound on ``seed`` (``api/protocol.py``): a child's stays below it."""
 
 
 def child_request(request: EngineRequest, index: int) -> EngineRequest:
     """Choice ``index`` of ``request``: its own id, one choice, the seed offset by the index."""
     sampling = request.sampling
     seed = None if sampling.seed is None else sampling.seed + index
+    if seed is not None and seed >= SEED_LIMIT:  # vLLM takes 64-bit seeds: wrap around
+        seed -= SEED_LIMIT
     return dataclasses.replace(
         request,
         request_id=f"{request.request_id}-{index}",

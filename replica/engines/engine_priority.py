@@ -25,6 +25,14 @@ def child_pids() -> set[int]:
     return {child.pid for child in psutil.Process().children(recursive=True)}
 
 
+def is_resource_tracker(pid: int) -> bool:
+    """Whether ``pid`` is a multiprocessing resource tracker (or gone)."""
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return True
+
+
 def lower_priority(pids: Iterable[int], niceness: int) -> int:
     """Raise every thread of ``pids`` to ``niceness`` (never lower it: that needs privilege);
     the threads set. A process that is gone, or a thread that ended, is skipped."""

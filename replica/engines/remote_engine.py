@@ -68,6 +68,13 @@ def encode_request(request: EngineRequest) -> dict[str, Any]:
             "seed": s.seed,
             "stop_token_ids": list(s.stop_token_ids),
             "ignore_eos": s.ignore_eos,
+            "n": s.n,
+            "top_k": s.top_k,
+            "min_p": s.min_p,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "repetition_penalty": s.repetition_penalty,
+            "min_tokens": s.min_tokens,
         },
         "priority": request.priority,
     }
@@ -82,6 +89,13 @@ def decode_request(data: Mapping[str, Any]) -> EngineRequest:
         seed=s.get("seed"),
         stop_token_ids=tuple(int(t) for t in s.get("stop_token_ids", ())),
         ignore_eos=bool(s.get("ignore_eos", False)),
+        n=int(s.get("n", 1)),
+        top_k=int(s.get("top_k", 0)),
+        min_p=float(s.get("min_p", 0.0)),
+        presence_penalty=float(s.get("presence_penalty", 0.0)),
+        frequency_penalty=float(s.get("frequency_penalty", 0.0)),
+        repetition_penalty=float(s.get("repetition_penalty", 1.0)),
+        min_tokens=int(s.get("min_tokens", 0)),
     )
     ids = tuple(int(t) for t in data["prompt_token_ids"])
     return EngineRequest(str(data["request_id"]), ids, sampling, int(data.get("priority", 0)))

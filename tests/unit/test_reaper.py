@@ -13,7 +13,15 @@ from pathlib import Path
 
 import psutil
 
-from prefixmesh.reaper import Orders, Reaper, Watched, left_behind, stop_processes, watched
+from prefixmesh.reaper import (
+    Orders,
+    Reaper,
+    Watched,
+    left_behind,
+    removable,
+    stop_processes,
+    watched,
+)
 
 
 def gone(pid: int, within_s: float = 20.0) -> bool:
@@ -120,7 +128,7 @@ def test_what_a_killed_process_would_leave_is_found_and_removed(tmp_path: Path) 
         found = left_behind(holder.pid)
         assert segment in found and address in found
         reaper = Reaper.start()
-        reaper.watch([holder.pid], with_files=True)
+        reaper.watch([holder.pid], with_files=True, owner_files=False)  # pytest's are not
         reaper.close()  # SIGTERM: the holder dies without unlinking either
         assert gone(holder.pid)
         assert not segment.exists() and not address.exists()
@@ -130,3 +138,15 @@ def test_what_a_killed_process_would_leave_is_found_and_removed(tmp_path: Path) 
         segment.unlink(missing_ok=True)
         address.unlink(missing_ok=True)
     assert left_behind(holder.pid) == []  # gone: nothing to read
+
+
+def test_only_what_left_behind_names_is_ever_removed(tmp_path: Path) -> None:
+    plain = Path(f"/tmp/pmt-{os.urandom(6).hex()}")
+    plain.write_text("a user's file")
+    try:
+        assert not removable(plain)  # a plain file in /tmp, never
+        assert not removable(Path("/dev/shm/plasma-store"))  # not multiprocessing's name
+        assert removable(Path("/dev/shm/psm_0a1b2c")) and removable(Path("/dev/shm/sem.mp-x"))
+        assert not removable(tmp_path / "psm_0a1b2c")
+    finally:
+        plain.unlink()

@@ -129,7 +129,7 @@ async def test_several_choices_each_have_their_text_stop_and_end() -> None:
         render.ChoiceOutput("c"),
         render.ChoiceOutput("de"),
     ]
-    assert generation.usage.completion_tokens == 13
+    assert generation.usage.completion_tokens == 9  # not "more": choice 1 had stopped
     body = render.full_body("cmpl-1", "m", False, outputs, generation)
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "abf"), (1, "c"), (2, "de")]
     chat = render.full_body("chatcmpl-1", "m", True, outputs, generation)
@@ -179,3 +179,10 @@ async def test_a_stop_string_split_over_chunks_never_reaches_the_client() -> Non
     generation, _ = make(held, stop=["XY"])
     deltas = await collect(generation)  # "X" is held back, then sent when "b" rules it out
     assert [(d.text, d.finish_reason) for d in deltas] == [("a", None), ("Xb", "stop")]
+
+
+async def test_a_stream_that_ends_without_finishing_still_gets_its_held_back_text() -> None:
+    stream = FakeStream([chars("aX", 0)])  # "X" may begin the stop string "XY"
+    generation, _ = make(stream, stop=["XY"])
+    deltas = await collect(generation)
+    assert [(d.text, d.finish_reason) for d in deltas] == [("a", None), ("X", "stop")]

@@ -193,6 +193,13 @@ def test_seed_is_bounded_as_vllm_s_and_priority_is_read() -> None:
             "2.5 instead.",
         ),
         ({"model": "m", "prompt": 3}, "prompt", "invalid_type", None),
+        (  # an integer for a decimal field: the field's kind, as OpenAI names it
+            {"model": "m", "prompt": "hi", "temperature": 3},
+            "temperature",
+            "decimal_above_max_value",
+            None,
+        ),
+        ({"model": "m", "prompt": "hi", "n": 200}, "n", "integer_above_max_value", None),
         ({"model": "m", "prompt": "hi", "logprobs": 1}, "logprobs", "unsupported_parameter", None),
         ({"model": "m", "prompt": "hi", "best_of": 3}, "best_of", "unsupported_parameter", None),
         ({"model": "m", "prompt": "hi", "suffix": "end"}, "suffix", "unsupported_parameter", None),

@@ -48,6 +48,8 @@ def test_children_have_their_own_ids_and_seeds_as_vllm_s() -> None:
     assert (child.request_id, child.sampling.n, child.sampling.seed) == ("r-2", 1, 7)
     assert child.prompt_token_ids == (1, 2, 3)
     assert child_request(request(4, seed=None), 3).sampling.seed is None
+    top = EngineRequest("r", (1,), SamplingSettings(max_tokens=1, n=3, seed=2**64 - 2))
+    assert [child_request(top, i).sampling.seed for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]
 
 
 async def test_one_choice_is_the_engine_s_own_request() -> None:

@@ -11,7 +11,11 @@ import time
 import psutil
 import pytest
 
-from prefixmesh.replica.engines.engine_priority import child_pids, lower_priority
+from prefixmesh.replica.engines.engine_priority import (
+    child_pids,
+    is_resource_tracker,
+    lower_priority,
+)
 
 # A child with a second thread, which starts a third once it reads a line.
 CHILD = """
@@ -56,3 +60,15 @@ def test_every_thread_is_set_and_later_threads_inherit_it() -> None:
     while child.pid in child_pids() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert lower_priority([child.pid], 19) == 0  # gone: skipped
+
+
+def test_the_resource_tracker_is_told_apart() -> None:
+    tracker = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)  # multiprocessing.resource_tracker"]
+    )
+    try:
+        assert is_resource_tracker(tracker.pid)
+        assert not is_resource_tracker(os.getpid())
+    finally:
+        tracker.kill()
+        tracker.wait()

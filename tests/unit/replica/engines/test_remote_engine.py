@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -44,6 +45,11 @@ PROMPT = tuple(range(3, 303))  # 300 tokens: two full blocks of 128
 def test_the_wire_format_round_trips() -> None:
     request = EngineRequest("a", (5, 6), SamplingSettings(3, 0.5, 0.9, 7, (1,), True), -(2**45))
     assert decode_request(encode_request(request)) == request
+    # Every sampling field travels (regression: the ones added for issue 38 were dropped).
+    every = SamplingSettings(3, 0.5, 0.9, 7, (1,), False, 2, 20, 0.1, 0.5, -0.5, 1.1, 2)
+    assert {f.name for f in dataclasses.fields(every)} == set(encode_request(request)["sampling"])
+    sampled = EngineRequest("b", (5,), every)
+    assert decode_request(encode_request(sampled)) == sampled
     hasher = make_hasher(sim_config())
     blocks = hasher.hash_tokens(PROMPT).block_hashes
     changes = [
