@@ -81,7 +81,10 @@ def main(argv: list[str], prog: str = "serve") -> int:
         # The whole session: Ray's processes are its children (put back at the end).
         niceness_before = yield_to_other_sessions(config.ray.session_niceness)
     try:
-        metrics_url = start_ray(config, prog, reaper)
+        agent_port = start_ray(config, prog, reaper)
+        if agent_port:  # the replicas' /metrics read the agent (replica/serving/node_metrics.py)
+            metrics = config.metrics.model_copy(update={"export_port": agent_port})
+            config = config.model_copy(update={"metrics": metrics})
         serve.start(
             http_options={"host": config.ingress.host, "port": config.ingress.port},
             proxy_location=config.serving.proxy_location,
@@ -107,9 +110,10 @@ def main(argv: list[str], prog: str = "serve") -> int:
             print(f"prefixmesh is serving {config.model!r} at {url}/v1", flush=True)
             return 0
         print(f"prefixmesh is serving {config.model!r} at {url}/v1 (Ctrl-C stops it)", flush=True)
-        if metrics_url:
+        if agent_port:
             print(
-                f"metrics of every replica and router, labelled: {metrics_url} (Prometheus: "
+                f"metrics of every replica and router, labelled: {scrape_url(agent_port)} "
+                "(also at the front door's /metrics; Prometheus: "
                 "manifests/prometheus/prometheus.yml)",
                 flush=True,
             )
@@ -138,10 +142,9 @@ def stop_ray(reaper: Reaper) -> None:
     reaper.close()
 
 
-def start_ray(config: PrefixmeshConfig, prog: str, reaper: Reaper) -> str | None:
-    """Join ``ray.address``, or start a local Ray (its processes in ``reaper``'s care); where a
-    scraper finds the local cluster's metrics (None for a joined cluster: its operator
-    knows)."""
+def start_ray(config: PrefixmeshConfig, prog: str, reaper: Reaper) -> int | None:
+    """Join ``ray.address``, or start a local Ray (its processes in ``reaper``'s care); the
+    port of the local node's metrics agent (None for a joined cluster: its operator knows)."""
     import ray
 
     if config.ray.address:
@@ -159,7 +162,8 @@ def start_ray(config: PrefixmeshConfig, prog: str, reaper: Reaper) -> str | None
     )
     # Killed, this process takes Ray's raylet and GCS along, not the node's agents.
     reaper.watch(p.pid for p in ray_processes(reaper.pid))
-    return scrape_url(context.address_info)
+    port = context.address_info.get("metrics_export_port")
+    return int(port) if port else None
 
 
 STOP_WAIT_S = 10.0
@@ -171,11 +175,9 @@ def ray_processes(reaper_pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if p.pid != reaper_pid]
 
 
-def scrape_url(address_info: dict[str, Any]) -> str | None:
-    """Ray's metrics agent on this node, where a scraper finds the whole cluster's series
-    (the front door's ``/metrics`` is one replica's)."""
-    port = address_info.get("metrics_export_port")
-    return f"http://127.0.0.1:{port}/metrics" if port else None
+def scrape_url(agent_port: int) -> str:
+    """Ray's metrics agent on this node, where a scraper finds the whole cluster's series."""
+    return f"http://127.0.0.1:{agent_port}/metrics"
 
 
 def registry_warning(config: PrefixmeshConfig) -> str | None:

@@ -87,13 +87,17 @@ class _Choice:
         return min(positions) if positions else None
 
     def _held_back(self, text: str) -> int:
-        """The length of the longest end of ``text`` that begins some stop string."""
+        """The length of the longest end of ``text`` that begins some stop string: only the
+        places in the last ``len(stop) - 1`` characters where the stop's first one occurs are
+        tried, earliest (longest) first."""
         longest = 0
         for stop in self.stop:
-            for size in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:size]):
-                    longest = size
+            at = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+            while at != -1 and len(text) - at > longest:
+                if stop.startswith(text[at:]):
+                    longest = len(text) - at
                     break
+                at = text.find(stop[0], at + 1)
         return longest
 
 

@@ -58,6 +58,7 @@ from prefixmesh.api.request_metrics import DirectMetrics
 from prefixmesh.cache_registry.factory import make_hasher
 from prefixmesh.cache_registry.registry_health import RegistryHealth
 from prefixmesh.config import PrefixmeshConfig
+from prefixmesh.replica.serving.node_metrics import MetricsSource, node_metrics, node_or_own
 from prefixmesh.replica.serving.spans import trace_parent
 from prefixmesh.wire import GenerateChunk, GenerateRequest
 from prefixmesh.wire.route_ticket import RouteTicket, key_digest
@@ -116,10 +117,12 @@ class DirectFront:
         keys: ApiKeys | None = None,
         quotas: TenantQuotas | None = None,
         created: int = 0,
+        node: MetricsSource | None = None,
     ) -> None:
         """``front``: the model, limits, tokenizer and hasher the router uses too;
         ``decode``: token ids to text; ``keys`` and ``quotas``: None when off; ``created``:
-        the model list's timestamp."""
+        the model list's timestamp; ``node``: where ``/metrics`` reads the node's whole view
+        (None: this replica's own)."""
         self._replica = replica
         self._front = front
         self._model = front.model
@@ -128,6 +131,7 @@ class DirectFront:
         self._keys = keys
         self._quotas = quotas
         self._created = created
+        self._node = node
 
     @classmethod
     def from_config(
@@ -148,6 +152,7 @@ class DirectFront:
             keys=ApiKeys.from_config(config),
             quotas=TenantQuotas.from_config(config, metrics),
             created=int(time.time()),
+            node=node_metrics(config.metrics.export_port),
         )
 
     async def close(self) -> None:
@@ -164,8 +169,10 @@ class DirectFront:
             return refused
         return model_list(self._model, self._created, self._front.limits.max_model_len)
 
-    def metrics_text(self) -> Response:
-        text = self.metrics.render(self._replica.runtime_registry())
+    async def metrics_text(self) -> Response:
+        """The node's metrics (every serving process's, labelled), else this replica's."""
+        own = self.metrics.render(self._replica.runtime_registry())
+        text = await node_or_own(self._node, own)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def serve(self, request: Request, chat: bool) -> Response:

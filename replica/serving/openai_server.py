@@ -45,7 +45,7 @@ class ReplicaHTTPServer(ReplicaServer):
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        return self.http.metrics_text()
+        return await self.http.metrics_text()
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

@@ -145,6 +145,11 @@ def test_serve_answers_listens_on_loopback_and_stops_clean(served: Served) -> No
     assert response.status_code == 200, response.text
     assert served.metrics_url.startswith("http://127.0.0.1:")
     assert httpx.get(served.metrics_url, timeout=30).status_code == 200  # Ray's metrics agent
+    # The front door's /metrics is the node's view (the agent's, ray_*), whichever replica
+    # HAProxy picks: never one replica's own registry.
+    for _ in range(3):
+        scrape = httpx.get(f"http://127.0.0.1:{served.port}/metrics", timeout=30)
+        assert scrape.status_code == 200 and "ray_" in scrape.text
     outside: list[str] = []
     for process in served.session():
         with contextlib.suppress(psutil.Error):
