@@ -53,6 +53,9 @@ class Orders:
     haproxy_dirs: list[Path] = field(default_factory=list)
     folders: list[Path] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
+    autogroups: list[tuple[int, int]] = field(default_factory=list)
+    """(session, niceness): the session groups to put back (``serve``'s, raised while it
+    ran: killed, it cannot put it back itself)."""
 
     def read(self, line: str) -> None:
         """One line of the owner's: ``pid PID START``, ``haproxy DIR``, ``folder DIR`` or
@@ -68,6 +71,10 @@ class Orders:
             self.folders.append(Path(rest))
         elif kind == "file" and rest:
             self.files.append(Path(rest))
+        elif kind == "autogroup":
+            session, _, niceness = rest.partition(" ")
+            with contextlib.suppress(ValueError):
+                self.autogroups.append((int(session), int(niceness)))
 
 
 def watched(pids: Iterable[int]) -> list[Watched]:
@@ -171,6 +178,18 @@ def removable(path: Path) -> bool:
         return False
 
 
+def restore_autogroup(session: int, niceness: int, proc: Path = Path("/proc")) -> bool:
+    """Set the scheduling group of ``session`` back to ``niceness``, through any process
+    still in it (the group is the session's, whichever member writes it); False when none
+    is left (the group went with it)."""
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(process.pid) == session:
+                (proc / str(process.pid) / "autogroup").write_text(str(niceness))
+                return True
+    return False
+
+
 def carry_out(orders: Orders) -> None:
     """Stop and remove everything ``orders`` names."""
     from prefixmesh.local_ray import stop_haproxy
@@ -184,6 +203,8 @@ def carry_out(orders: Orders) -> None:
         stop_haproxy(run_dir)
     for folder in [*orders.haproxy_dirs, *orders.folders]:
         shutil.rmtree(folder, ignore_errors=True)
+    for session, niceness in orders.autogroups:
+        restore_autogroup(session, niceness)
 
 
 def reap(stream: IO[str]) -> Orders:
@@ -245,6 +266,11 @@ class Reaper:
     def watch_haproxy(self, run_dir: Path) -> None:
         """Stop the HAProxy whose files are under ``run_dir``, and remove it, at the end."""
         self._send([f"haproxy {run_dir}\n"])
+
+    def restore_session(self, niceness: int) -> None:
+        """Put the owner's session group back to ``niceness`` at the end (``local_ray.
+        yield_to_other_sessions`` raised it)."""
+        self._send([f"autogroup {os.getsid(0)} {niceness}\n"])
 
     def remove(self, folder: Path) -> None:
         self._send([f"folder {folder}\n"])

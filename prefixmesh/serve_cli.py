@@ -80,6 +80,8 @@ def main(argv: list[str], prog: str = "serve") -> int:
     if not config.ray.address and config.ray.session_niceness:
         # The whole session: Ray's processes are its children (put back at the end).
         niceness_before = yield_to_other_sessions(config.ray.session_niceness)
+        if niceness_before is not None:  # killed, serve could not put it back itself
+            reaper.restore_session(niceness_before)
     try:
         agent_port = start_ray(config, prog, reaper)
         if agent_port:  # the replicas' /metrics read the agent (replica/serving/node_metrics.py)

@@ -50,7 +50,8 @@ class Served:
         """Every process of the run's session (``serve`` is its leader), HAProxy included."""
         found = []
         for process in psutil.process_iter(["pid"]):
-            with contextlib.suppress(psutil.Error):
+            # A process may end between the listing and getsid (ProcessLookupError).
+            with contextlib.suppress(psutil.Error, OSError):
                 if os.getsid(process.pid) == self.process.pid:
                     found.append(process)
         return found

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from prefixmesh.reaper import (
     Orders,
@@ -19,6 +20,7 @@ from prefixmesh.reaper import (
     Watched,
     left_behind,
     removable,
+    restore_autogroup,
     stop_processes,
     watched,
 )
@@ -150,3 +152,28 @@ def test_only_what_left_behind_names_is_ever_removed(tmp_path: Path) -> None:
         assert not removable(tmp_path / "psm_0a1b2c")
     finally:
         plain.unlink()
+
+
+def test_a_session_group_is_put_back_through_a_process_still_in_it() -> None:
+    """serve raised its terminal session's group; killed, its reaper puts it back through
+    whatever is left in that session (the terminal's shell)."""
+    member = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    group = Path(f"/proc/{member.pid}/autogroup")
+    try:
+        if not group.exists():
+            pytest.skip("this kernel has no autogroups")
+        try:
+            group.write_text("6")
+        except OSError:
+            pytest.skip("this machine does not let a session change its group's niceness")
+        orders = Orders()
+        orders.read(f"autogroup {member.pid} 0\n")
+        assert orders.autogroups == [(member.pid, 0)]
+        assert restore_autogroup(member.pid, 0)
+        assert group.read_text().split()[-1] == "0"
+    finally:
+        member.kill()
+        member.wait()
+    assert not restore_autogroup(member.pid, 0)  # nobody left in that session
