@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from prefixmesh.cli_help import add_overrides
 from prefixmesh.loadtest.traces import TRACE_FORMATS
 from prefixmesh.loadtest.workloads import WORKLOADS
 
@@ -39,11 +40,4 @@ def add_config_args(parser: argparse.ArgumentParser, read: str, set_dest: str) -
         type=Path,
         help=f"prefixmesh YAML config, {read} (default: none, the embedded defaults)",
     )
-    parser.add_argument(
-        "--set",
-        dest=set_dest,
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="override a config field, after --config; repeatable",
-    )
+    add_overrides(parser, dest=set_dest)

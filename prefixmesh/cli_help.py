@@ -85,3 +85,15 @@ def command_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(
         prog=prog, description=describe(doc), formatter_class=DefaultsHelpFormatter
     )
+
+
+def add_overrides(
+    parser: argparse.ArgumentParser,
+    dest: str = "overrides",
+    help: str = "override a config field, after --config; repeatable",
+) -> None:
+    """``--set SECTION.FIELD=VALUE``, repeatable, kept in ``args.<dest>`` (every command that
+    loads a config takes it so)."""
+    parser.add_argument(
+        "--set", dest=dest, action="append", default=[], metavar="SECTION.FIELD=VALUE", help=help
+    )

@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from prefixmesh.cli_help import command_parser
+from prefixmesh.cli_help import add_overrides, command_parser
 from prefixmesh.config import PrefixmeshConfig, load_config
 from prefixmesh.deploy_progress import run_with_progress
 from prefixmesh.local_ray import (
@@ -41,14 +41,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         action="store_true",
         help="with --address: deploy and exit, leaving the app running on that cluster",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="override a config field, after --config; repeatable",
-    )
+    add_overrides(parser)
     return parser.parse_args(argv)
 
 

@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Iterable
 from pathlib import Path
 
+from prefixmesh.cli_help import add_overrides
 from prefixmesh.router.policy import POLICY_NAMES
 
 
@@ -74,14 +75,7 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout-s", type=float, default=120.0, help="each request's time limit, in s"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="override a config field for every run; repeatable",
-    )
+    add_overrides(parser, help="override a config field for every run; repeatable")
     parser.add_argument(
         "--variant",
         dest="variants",

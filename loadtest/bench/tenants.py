@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.cli_help import command_parser
+from prefixmesh.cli_help import add_overrides, command_parser
 from prefixmesh.config import load_config
 from prefixmesh.loadtest.local_redis import LocalRedisServer
 from prefixmesh.loadtest.poisson import exponential_arrivals, percentile
@@ -219,14 +219,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         help="also time the API-key and quota checks over N sequential requests and a 10 MB "
         "body's refusal; 0: off",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="override a config field for every scenario; repeatable",
-    )
+    add_overrides(parser, help="override a config field for every scenario; repeatable")
     parser.add_argument("--json", type=Path, help="write the results here (default: none)")
     args = parser.parse_args(argv)
     unknown = {label.partition(":")[0] for label in args.scenarios.split(",")} - set(SCENARIOS)

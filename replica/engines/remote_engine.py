@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -61,21 +62,8 @@ def encode_request(request: EngineRequest) -> dict[str, Any]:
     return {
         "request_id": request.request_id,
         "prompt_token_ids": list(request.prompt_token_ids),
-        "sampling": {
-            "max_tokens": s.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "seed": s.seed,
-            "stop_token_ids": list(s.stop_token_ids),
-            "ignore_eos": s.ignore_eos,
-            "n": s.n,
-            "top_k": s.top_k,
-            "min_p": s.min_p,
-            "presence_penalty": s.presence_penalty,
-            "frequency_penalty": s.frequency_penalty,
-            "repetition_penalty": s.repetition_penalty,
-            "min_tokens": s.min_tokens,
-        },
+        # Every field, as JSON takes it (a new one cannot be left off the wire).
+        "sampling": {**dataclasses.asdict(s), "stop_token_ids": list(s.stop_token_ids)},
         "priority": request.priority,
     }
 

@@ -425,7 +425,7 @@ def make_service(config: PrefixmeshConfig, replica_id: str, rank: int = 0) -> Re
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    from prefixmesh.cli_help import command_parser
+    from prefixmesh.cli_help import add_overrides, command_parser
 
     parser = command_parser(prog, __doc__)
     parser.add_argument("--engine", choices=["sim", "vllm"], default="sim", help="the engine")
@@ -444,14 +444,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         help="YAML config: model, cache, replica.sim, replica.vllm (default: none, the embedded "
         "defaults)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="override a config field; repeatable",
-    )
+    add_overrides(parser, help="override a config field; repeatable")
     parser.add_argument(
         "--log-level",
         default="warning",
